@@ -1,0 +1,86 @@
+#include "qparams.h"
+
+#include <limits>
+
+#include "pt2e_fq/mask_bits.h"
+
+namespace pt2e_fq {
+
+namespace {
+constexpr int64_t kInt16Min = std::numeric_limits<int16_t>::min();
+constexpr int64_t kInt16Max = std::numeric_limits<int16_t>::max();
+}  // namespace
+
+int64_t num_blocks(const BlockLayout& L) {
+  int64_t n = 1;
+  for (int d = 0; d < L.ndim; ++d) n *= (L.size[d] + L.block[d] - 1) / L.block[d];
+  return n;
+}
+
+BlockLayout check_affine_args(const at::Tensor& x, at::IntArrayRef block_size,
+                              const at::Tensor& scale, const c10::optional<at::Tensor>& zero_point,
+                              int64_t quant_min, int64_t quant_max,
+                              const c10::optional<at::Tensor>& minval) {
+  const auto dt = x.scalar_type();
+  TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
+                   "pt2e_fq.fake_quantize_affine: x must be float32, bfloat16 or float16, got ",
+                   dt);
+  TORCH_CHECK_VALUE(static_cast<int64_t>(block_size.size()) == x.dim(),
+                    "pt2e_fq.fake_quantize_affine: block_size needs one entry per dimension of x (",
+                    x.dim(), "), got ", block_size.size());
+  for (size_t d = 0; d < block_size.size(); ++d) {
+    TORCH_CHECK_VALUE(block_size[d] >= 1, "pt2e_fq.fake_quantize_affine: block_size[", d,
+                      "] must be >= 1, got ", block_size[d]);
+  }
+  TORCH_CHECK_VALUE(quant_min <= quant_max && quant_min >= kInt16Min && quant_max <= kInt16Max,
+                    "pt2e_fq.fake_quantize_affine: need ", kInt16Min,
+                    " <= quant_min <= quant_max <= ", kInt16Max, ", got quant_min=", quant_min,
+                    " quant_max=", quant_max);
+  TORCH_CHECK_VALUE(!(zero_point.has_value() && minval.has_value()),
+                    "pt2e_fq.fake_quantize_affine: give zero_point (ZP formulation) or minval "
+                    "(MINVAL formulation), not both");
+  if (zero_point.has_value()) {
+    TORCH_CHECK_TYPE(!at::isFloatingType(zero_point->scalar_type()) &&
+                         !at::isComplexType(zero_point->scalar_type()) &&
+                         zero_point->scalar_type() != at::kBool,
+                     "pt2e_fq.fake_quantize_affine: zero_point must have an integer dtype, got ",
+                     zero_point->scalar_type());
+  }
+  BlockLayout L;
+  TORCH_CHECK_VALUE(make_block_layout(x.sizes().data(), block_size.data(),
+                                      static_cast<int>(x.dim()), L),
+                    "pt2e_fq.fake_quantize_affine: this block layout has more than ",
+                    kMaxLayoutDims, " non-mergeable dimensions");
+  return L;
+}
+
+at::Tensor qparam_as_float(const at::Tensor& x, const at::Tensor& t, const char* name,
+                           int64_t expected_numel) {
+  TORCH_CHECK(t.device() == x.device(), "pt2e_fq.fake_quantize_affine: ", name,
+              " is on ", t.device(), " but x is on ", x.device());
+  TORCH_CHECK_VALUE(t.numel() == expected_numel, "pt2e_fq.fake_quantize_affine: ", name,
+                    " must have one element per block (", expected_numel, "), got shape ",
+                    t.sizes());
+  return t.to(at::kFloat).contiguous();
+}
+
+at::Tensor new_packed_mask(const at::Tensor& x) {
+  const int64_t bytes = packed_mask_bytes(x.numel());
+  const int64_t padded = (x.numel() + 31) / 32 * 4;
+  return at::empty({padded}, x.options().dtype(at::kByte)).narrow(0, 0, bytes);
+}
+
+void check_ste_args(const at::Tensor& grad, const at::Tensor& mask) {
+  TORCH_CHECK_TYPE(mask.scalar_type() == at::kByte,
+                   "pt2e_fq.ste_grad: mask must be uint8 (bit-packed), got ", mask.scalar_type());
+  TORCH_CHECK_VALUE(mask.dim() == 1 && mask.numel() == packed_mask_bytes(grad.numel()),
+                    "pt2e_fq.ste_grad: mask must have ceil(grad.numel() / 8) = ",
+                    packed_mask_bytes(grad.numel()), " bytes, got shape ", mask.sizes());
+  TORCH_CHECK(mask.device() == grad.device(), "pt2e_fq.ste_grad: mask is on ", mask.device(),
+              " but grad is on ", grad.device());
+  const auto dt = grad.scalar_type();
+  TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
+                   "pt2e_fq.ste_grad: grad must be float32, bfloat16 or float16, got ", dt);
+}
+
+}  // namespace pt2e_fq

@@ -1,0 +1,34 @@
+// Argument checks and qparam preparation shared by the CPU and CUDA entry
+// points of the affine op. The Python wrapper validates the same things with
+// friendlier messages; these checks keep a direct torch.ops call memory-safe.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "pt2e_fq/block_layout.h"
+
+namespace pt2e_fq {
+
+// Checks shapes and dtypes (never values: that would need a host sync on
+// CUDA) and returns the canonical block layout of x.
+BlockLayout check_affine_args(const at::Tensor& x, at::IntArrayRef block_size,
+                              const at::Tensor& scale, const c10::optional<at::Tensor>& zero_point,
+                              int64_t quant_min, int64_t quant_max,
+                              const c10::optional<at::Tensor>& minval);
+
+// Checks a per-block qparam tensor: same device as x, numel of the layout's
+// block count, and returns it as a contiguous fp32 tensor.
+at::Tensor qparam_as_float(const at::Tensor& x, const at::Tensor& t, const char* name,
+                           int64_t expected_numel);
+
+// The number of blocks (scale elements) of a layout.
+int64_t num_blocks(const BlockLayout& L);
+
+// Allocates the packed mask with room for whole 32-bit words (the CUDA kernel
+// writes words) and returns a view of exactly ceil(numel / 8) bytes.
+at::Tensor new_packed_mask(const at::Tensor& x);
+
+// Checks the arguments of ste_grad.
+void check_ste_args(const at::Tensor& grad, const at::Tensor& mask);
+
+}  // namespace pt2e_fq
