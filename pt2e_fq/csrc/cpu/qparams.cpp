@@ -17,10 +17,10 @@ int64_t num_blocks(const BlockLayout& L) {
   return n;
 }
 
-BlockLayout check_affine_args(const at::Tensor& x, at::IntArrayRef block_size,
-                              const at::Tensor& scale, const c10::optional<at::Tensor>& zero_point,
-                              int64_t quant_min, int64_t quant_max,
-                              const c10::optional<at::Tensor>& minval) {
+AffineInputs prepare_affine_inputs(const at::Tensor& x, at::IntArrayRef block_size,
+                                   const at::Tensor& scale,
+                                   const c10::optional<at::Tensor>& zero_point, int64_t quant_min,
+                                   int64_t quant_max, const c10::optional<at::Tensor>& minval) {
   const auto dt = x.scalar_type();
   TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
                    "pt2e_fq.fake_quantize_affine: x must be float32, bfloat16 or float16, got ",
@@ -51,7 +51,23 @@ BlockLayout check_affine_args(const at::Tensor& x, at::IntArrayRef block_size,
                                       static_cast<int>(x.dim()), L),
                     "pt2e_fq.fake_quantize_affine: this block layout has more than ",
                     kMaxLayoutDims, " non-mergeable dimensions");
-  return L;
+  const int64_t nblocks = num_blocks(L);
+  AffineInputs in;
+  in.x = x.contiguous();
+  in.layout = L;
+  in.scale = qparam_as_float(x, scale, "scale", nblocks);
+  if (zero_point) in.zero_point = qparam_as_float(x, *zero_point, "zero_point", nblocks);
+  if (minval) in.minval = qparam_as_float(x, *minval, "minval", nblocks);
+  return in;
+}
+
+AffineQparams affine_qparams(const AffineInputs& in, int64_t quant_min, int64_t quant_max) {
+  const auto ptr = [](const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
+  // MINVAL: the integer offset is quant_min for every block.
+  const float ioff_const = in.minval.defined() ? static_cast<float>(quant_min) : 0.0f;
+  return {ptr(in.scale),     ptr(in.zero_point),
+          ptr(in.minval),    ioff_const,
+          static_cast<float>(quant_min), static_cast<float>(quant_max)};
 }
 
 at::Tensor qparam_as_float(const at::Tensor& x, const at::Tensor& t, const char* name,
