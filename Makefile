@@ -49,7 +49,7 @@ cuda-check: $(STAMP)
 	flags="$$($(PY) -c 'import sysconfig; from torch.utils.cpp_extension import include_paths; print(" ".join("-I" + p for p in include_paths() + [sysconfig.get_paths()["include"]]))')" && \
 	for f in $$(find pt2e_fq/csrc/cuda -name '*.cpp'); do \
 	  echo "c++ -fsyntax-only $$f"; \
-	  $(CXX) -std=c++17 -fsyntax-only -I$$stub $$flags -I$(CUDA_HOME)/include \
+	  $(CXX) -std=c++20 -fsyntax-only -I$$stub $$flags -I$(CUDA_HOME)/include \
 	    -Ipt2e_fq/csrc/include -Ipt2e_fq/csrc/cpu $$f || exit 1; \
 	done; rm -rf $$stub
 
