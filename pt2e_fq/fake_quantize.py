@@ -115,12 +115,13 @@ class FakeQuantize(FakeQuantizeBase):
                 )
         self.qspec = qspec
         self._fake_quantize_fn = fake_quantizer(qspec.format)  # fails early for a format without an op
+        self._qparam_names = qparam_names(qspec)  # what the op takes besides x
         self._observer = qspec.observer_or_default
         self._observer_on = True
         self._fake_quant_on = True
         self._frozen = False
         if not qspec.dynamic:
-            for name in qparam_names(qspec):
+            for name in self._qparam_names:
                 dt = torch.int32 if name == "zero_point" else torch.float32
                 self.register_buffer(name, torch.empty(0, dtype=dt))
             if self._observer.keeps_range:
@@ -140,7 +141,7 @@ class FakeQuantize(FakeQuantizeBase):
         return all(self._buffers[n].numel() > 0 for n in self._qparam_buffer_names())
 
     def _qparam_buffer_names(self) -> tuple[str, ...]:
-        return () if self.qspec.dynamic else qparam_names(self.qspec)
+        return () if self.qspec.dynamic else self._qparam_names
 
     def calculate_qparams(self, **kwargs) -> dict[str, torch.Tensor]:
         """The stored qparams by name (empty for a dynamic point)."""
@@ -200,7 +201,9 @@ class FakeQuantize(FakeQuantizeBase):
         if self.qspec.dynamic:
             if not self._fake_quant_on:
                 return x
-            return self._fake_quantize(x, self._range_and_qparams(x, None)[1])
+            # (MX formats need nothing: the kernel scales every block itself.)
+            qparams = self._range_and_qparams(x, None)[1] if self._qparam_names else {}
+            return self._fake_quantize(x, qparams)
         if self._observer_on:
             self._observe(x)
         if not self._fake_quant_on:

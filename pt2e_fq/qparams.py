@@ -60,15 +60,17 @@ def qparam_names(spec: QSpec) -> tuple[str, ...]:
     fmt = spec.format
     if isinstance(fmt, IntFormat):
         return ("scale", "minval") if spec.formulation is Formulation.MINVAL else ("scale", "zero_point")
-    if fmt is FloatFormat.NVFP4:
-        return ("global_scale",)
+    if fmt is FloatFormat.NVFP4 and not spec.dynamic:
+        return ("global_scale",)  # calibrated; the block scales come from the kernel
     if fmt.block_scaled:
-        return ()  # MX: the kernel computes every scale
+        return ()  # MX, dynamic NVFP4: the kernel computes every scale from the live tensor
     return ("scale",)
 
 
 def qparams_from_range(spec: QSpec, lo: torch.Tensor, hi: torch.Tensor) -> dict[str, torch.Tensor]:
     """The qparams of `spec` for the per-block range [lo, hi]."""
+    if not qparam_names(spec):
+        return {}
     lo, hi = lo.float(), hi.float()
     fmt = spec.format
     if isinstance(fmt, IntFormat):
@@ -81,6 +83,4 @@ def qparams_from_range(spec: QSpec, lo: torch.Tensor, hi: torch.Tensor) -> dict[
         return {"scale": scale, "zero_point": zero_point}
     if fmt is FloatFormat.NVFP4:
         return {"global_scale": float_scale(lo, hi, fmt.fmax * NVFP4_BLOCK_SCALE_MAX)}
-    if fmt.block_scaled:
-        return {}
     return {"scale": float_scale(lo, hi, fmt.fmax)}

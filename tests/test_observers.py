@@ -75,7 +75,8 @@ def test_reduce_blocks_matches_a_loop_over_blocks(block, reduce, pad):
         (q.QSpec(q.FP8_E4M3), -3.0, 2.0, dict(scale=f32(3.0, 448.0))),
         (q.QSpec(q.FP4_E2M1), -1.0, 4.5, dict(scale=f32(4.5, 6.0))),
         (q.QSpec(q.NVFP4, q.PerGroup(16)), -1.0, 4.5, dict(global_scale=f32(4.5, 6.0 * 448.0))),
-        (q.QSpec(q.MXFP4, q.PerGroup(32), dynamic=True), -1.0, 4.5, dict()),
+        (q.QSpec(q.MXFP4, q.PerGroup(32), dynamic=True), -1.0, 4.5, dict()),  # the kernel scales
+        (q.QSpec(q.NVFP4, q.PerGroup(16), dynamic=True), -1.0, 4.5, dict()),
     ],
     ids=lambda v: str(v) if isinstance(v, q.QSpec) else None,
 )
