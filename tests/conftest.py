@@ -62,6 +62,12 @@ class AffineCase:
         """(y, packed mask) from the op under test."""
         return ops.fake_quantize_affine_with_mask(*self.args(), minval=self.minval)
 
+    def to(self, device) -> "AffineCase":
+        """The same case with every tensor on `device`."""
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return AffineCase(move(self.x), self.block_size, move(self.scale), move(self.zero_point),
+                          self.quant_min, self.quant_max, move(self.minval))
+
     def ref(self):
         """(y, bool mask, packed mask) from the reference."""
         y, mask = reference.fake_quantize_affine(*self.args(), minval=self.minval)
