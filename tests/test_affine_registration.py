@@ -125,6 +125,21 @@ def test_export_with_dynamic_batch():
         assert_bits_equal(ep.module()(x), expected)
 
 
+def test_compile_dynamic_batch_compiles_once():
+    scale = torch.rand(1, 16) + 0.01
+
+    def per_channel(x):
+        return ops.fake_quantize_affine(x, [x.shape[0], 1], scale, None, -128, 127)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(per_channel, fullgraph=True, dynamic=True, backend="aot_eager")
+    for i, n in enumerate((2, 3, 9)):
+        x = torch.randn(n, 16) * 10
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            y = compiled(x)
+        assert_bits_equal(y, reference.fake_quantize_affine(x, [n, 1], scale, None, -128, 127)[0])
+
+
 class Surrounded(torch.nn.Module):
     """The op between pointwise ops, so inductor generates (C++) kernels
     around it rather than only a call."""
