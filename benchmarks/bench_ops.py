@@ -6,7 +6,7 @@ the bytes autograd saves for backward, and our speed-up over the baseline
 measured in the same run. Add a case (say a float format or MX) by appending
 to CASES.
 
-    python benchmarks/bench_ops.py [--device cpu|cuda] [--repeats N] [--quick]
+    python benchmarks/bench_ops.py [--device cpu|cuda] [--repeats N] [--quick] [--threads N]
 """
 
 from __future__ import annotations
@@ -192,7 +192,10 @@ def main():
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--repeats", type=int, default=20, help="timed runs per measurement (median)")
     ap.add_argument("--quick", action="store_true", help="3 repeats, fp32 only")
+    ap.add_argument("--threads", type=int, help="CPU threads (default: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: no CUDA device is available here; nothing measured.")
         return
