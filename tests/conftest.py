@@ -7,7 +7,7 @@ of the kernels), from ATen, or from hand-computed numbers in the test itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import pytest
@@ -64,9 +64,8 @@ class AffineCase:
 
     def to(self, device) -> "AffineCase":
         """The same case with every tensor on `device`."""
-        move = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return AffineCase(move(self.x), self.block_size, move(self.scale), move(self.zero_point),
-                          self.quant_min, self.quant_max, move(self.minval))
+        tensors = {k: getattr(self, k) for k in ("x", "scale", "zero_point", "minval")}
+        return replace(self, **{k: t.to(device) for k, t in tensors.items() if t is not None})
 
     def ref(self):
         """(y, bool mask, packed mask) from the reference."""
