@@ -1,0 +1,183 @@
+"""The pt2e-fq command: argument errors (a message, an exit status, never a
+traceback), quantize runs on small models, and the demo end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pt2e_fq import cli
+
+TESTS = Path(__file__).parent
+
+
+def run_cli(*args, cwd=TESTS):
+    """`python -m pt2e_fq ARGS` in a fresh process, from the tests folder
+    (so --model cli_models:... imports)."""
+    env = dict(os.environ, PYTHONPATH="")
+    return subprocess.run([sys.executable, "-m", "pt2e_fq", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def _main(capsys, *args):
+    """cli.main in this process: (exit status, stdout, stderr)."""
+    try:
+        rc = cli.main(list(args))
+    except SystemExit as e:  # argparse
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+QUANTIZE = ["quantize", "--model", "cli_models:tiny_mlp", "--example-input", "8x16", "--no-progress"]
+
+
+def test_console_script_is_installed():
+    script = Path(sys.executable).parent / "pt2e-fq"
+    result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0
+    assert "demo" in result.stdout and "quantize" in result.stdout and "report" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, status, message",
+    [
+        (["quantize", "--model", "cli_models:tiny_mlp", "--example-input", "8x16", "--preset", "w9"], 2,
+         "pt2e-fq quantize: error: --preset: unknown preset 'w9'; allowed: w8a8, w4a8, w4a16, w8a16, fp8, mxfp8"),
+        (["quantize", "--model", "cli_models:tiny_mlp"], 2, "required: --example-input"),
+        (["quantize", "--model", "cli_models:broken", "--example-input", "8x16", "--preset", "w8a8"], 1,
+         "pt2e-fq quantize: error: RuntimeError: boom: the factory failed"),
+    ],
+    ids=["usage", "argparse", "failure"],
+)
+def test_errors_in_a_fresh_process_have_no_traceback(args, status, message):
+    result = run_cli(*args)
+    assert result.returncode == status
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_traceback_flag_shows_the_traceback():
+    result = run_cli("--traceback", "quantize", "--model", "cli_models:broken", "--example-input", "8x16",
+                     "--preset", "w8a8")
+    assert result.returncode == 1
+    assert "Traceback" in result.stderr and "boom: the factory failed" in result.stderr
+
+
+def _write(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "tiny_mlp", "--example-input", "8x16", "--preset", "w8a8"],
+         "--model: expected MODULE:FACTORY (e.g. mypkg.models:build), got 'tiny_mlp'"),
+        (["--model", "no_such_module_xyz:build", "--example-input", "8x16", "--preset", "w8a8"],
+         "--model: cannot import module 'no_such_module_xyz'"),
+        (["--model", "cli_models:missing", "--example-input", "8x16", "--preset", "w8a8"],
+         "--model: module 'cli_models' has no attribute 'missing'"),
+        (["--model", "cli_models:not_a_model", "--example-input", "8x16", "--preset", "w8a8"],
+         "--model: cli_models:not_a_model() returned a str, not a torch.nn.Module"),
+        (["--model", "cli_models:tiny_mlp", "--example-input", "8x", "--preset", "w8a8"],
+         "--example-input: '8x' is neither a .pt file nor shapes"),
+        (["--model", "cli_models:tiny_mlp", "--example-input", "missing.pt", "--preset", "w8a8"],
+         "--example-input: no such file 'missing.pt'"),
+        (["--model", "cli_models:tiny_mlp", "--example-input", "8x17", "--preset", "w8a8"],
+         "--example-input: the model fails on inputs of shapes [(8, 17)]: RuntimeError"),
+        (["--model", "cli_models:tiny_mlp", "--example-input", "8x16", "--config", "missing.yaml"],
+         "--config: no such file 'missing.yaml'"),
+        (["--model", "cli_models:tiny_mlp", "--example-input", "8x16", "--preset", "w8a8", "--out", "m.onnx"],
+         "--out: expected a .pt2 file name, got 'm.onnx'"),
+        (["--model", "cli_models:tiny_mlp", "--example-input", "8x16", "--preset", "w8a8", "--onnx", "m.pt2"],
+         "--onnx: expected a .onnx file name, got 'm.pt2'"),
+    ],
+)
+def test_quantize_argument_errors(capsys, args, message):
+    rc, out, err = _main(capsys, "quantize", *args)
+    assert rc == 2
+    assert f"pt2e-fq quantize: error: {message}" in err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--preset", "w8a8", "--config", "c.yaml"], "argument --config: not allowed with argument --preset"),
+        (["--qat-steps", "-1", "--preset", "w8a8"], "argument --qat-steps: expected an integer >= 0, got '-1'"),
+        (["--qat-steps", "ten", "--preset", "w8a8"], "argument --qat-steps: expected an integer >= 0, got 'ten'"),
+        ([], "one of the arguments --preset --config is required"),
+    ],
+)
+def test_quantize_argparse_errors(capsys, args, message):
+    rc, out, err = _main(capsys, *QUANTIZE, *args)
+    assert rc == 2
+    assert message in err
+
+
+def test_config_file_errors(capsys, tmp_path):
+    bad_key = _write(tmp_path / "bad.yaml", "global:\n  weight: {format: int8, granularty: per_tensor}\n")
+    rc, _, err = _main(capsys, *QUANTIZE, "--config", bad_key)
+    assert rc == 2 and "--config:" in err and "global.weight: unknown key 'granularty'" in err
+    bad_suffix = _write(tmp_path / "config.txt", "global: null\n")
+    rc, _, err = _main(capsys, *QUANTIZE, "--config", bad_suffix)
+    assert rc == 2 and "unknown suffix '.txt'; allowed: .yaml, .yml, .json" in err
+    bad_yaml = _write(tmp_path / "broken.yaml", "global: [unclosed\n")
+    rc, _, err = _main(capsys, *QUANTIZE, "--config", bad_yaml)
+    assert rc == 2 and f"--config: cannot read {bad_yaml!r}" in err
+
+
+def test_calib_data_errors(capsys, tmp_path):
+    path = tmp_path / "calib.pt"
+    torch.save({"x": torch.zeros(2, 16)}, path)
+    rc, _, err = _main(capsys, *QUANTIZE, "--preset", "w8a8", "--calib-data", str(path))
+    assert rc == 2 and "holds a dict; expected a tensor or a non-empty list of batches" in err
+    torch.save([torch.zeros(2, 16), "text"], path)
+    rc, _, err = _main(capsys, *QUANTIZE, "--preset", "w8a8", "--calib-data", str(path))
+    assert rc == 2 and "a model input must be a tensor or a tuple of tensors" in err
+    path.write_text("not a torch file")
+    rc, _, err = _main(capsys, *QUANTIZE, "--preset", "w8a8", "--calib-data", str(path))
+    assert rc == 2 and "cannot load" in err
+
+
+def test_example_input_shapes():
+    x, y = cli.example_inputs("2x3,4")
+    assert x.shape == (2, 3) and y.shape == (4,) and x.dtype == torch.float32
+
+
+def test_calibration_tensor_is_split_into_example_sized_batches(tmp_path):
+    path = tmp_path / "calib.pt"
+    torch.save(torch.arange(20.0).reshape(20, 1), path)
+    batches = cli.calibration_batches(str(path), (torch.zeros(8, 1),))
+    assert [b[0].shape[0] for b in batches] == [8, 8, 4]
+    assert torch.equal(torch.cat([b[0] for b in batches]), torch.arange(20.0).reshape(20, 1))
+
+
+def test_quantize_two_inputs_with_calibration_batches_and_qat(capsys, tmp_path):
+    path = tmp_path / "calib.pt"
+    g = torch.Generator().manual_seed(0)
+    torch.save([(torch.randn(4, 8, generator=g), torch.randn(4, 6, generator=g)) for _ in range(3)], path)
+    rc, out, err = _main(capsys, "quantize", "--model", "cli_models:two_inputs", "--example-input", "4x8,4x6",
+                         "--preset", "w4a8", "--calib-data", str(path), "--qat-steps", "3", "--no-progress")
+    assert rc == 0, err
+
+
+def test_demo_end_to_end(tmp_path):
+    """The demo with one QAT epoch: a float CNN that learns the digits, PTQ
+    w8a8 and QAT w4a8 close to it, the table and its files."""
+    result = run_cli("demo", "--out", str(tmp_path), "--qat-epochs", "1", "--no-progress")
+    assert result.returncode == 0, result.stderr
+    rows = {r["model"]: r for r in json.loads((tmp_path / "results.json").read_text())["rows"]}
+    float_accuracy = rows["float"]["accuracy"]
+    assert float_accuracy > 0.95  # 10 classes: chance is 0.1
+    assert rows["PTQ w8a8"]["accuracy"] >= float_accuracy - 0.02
+    assert rows["QAT w4a8"]["accuracy"] >= float_accuracy - 0.03
+    assert rows["QAT w4a8"]["step_ms"] > 0 and rows["float"]["step_ms"] > 0
+    table = (tmp_path / "results.md").read_text()
+    assert table in result.stdout and "x float" in table
