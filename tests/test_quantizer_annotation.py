@@ -218,6 +218,8 @@ def test_describe_lists_every_op_its_rule_and_its_points():
     assert "module name 'head'" in row["linear_2"] and row["linear_2"].count("float") == 4
     assert lines[-1] == "5 fake-quant module(s)"
     assert "quantization_annotation" not in {k for n in gm.graph.nodes for k in n.meta}  # describe changes nothing
+    ep = torch.export.export(build("mlp"), (example_batch("mlp", 0),))
+    assert FakeQuantQuantizer(config).describe(ep, print_table=False) == table
 
 
 def test_validate_names_node_module_and_reason():
