@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 import torch.nn as nn
-from quantizer_models import MODELS, build, example_batch, export, fake_quant_modules, prepare, single_thread  # noqa: F401
+from quantizer_models import build, example_batch, export, fake_quant_modules, prepare, single_thread  # noqa: F401 (an autouse fixture)
 from torchao.quantization.pt2e.quantizer import QuantizationSpec, SharedQuantizationSpec
 
 import pt2e_fq as q
