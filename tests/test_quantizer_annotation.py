@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 import torch.nn as nn
-from quantizer_models import MODELS, build, example_batch, export, fake_quant_modules, prepare, single_thread  # noqa: F401
+from quantizer_models import build, example_batch, export, fake_quant_modules, prepare, single_thread  # noqa: F401 (an autouse fixture)
 from torchao.quantization.pt2e.quantizer import QuantizationSpec, SharedQuantizationSpec
 
 import pt2e_fq as q
@@ -218,6 +218,8 @@ def test_describe_lists_every_op_its_rule_and_its_points():
     assert "module name 'head'" in row["linear_2"] and row["linear_2"].count("float") == 4
     assert lines[-1] == "5 fake-quant module(s)"
     assert "quantization_annotation" not in {k for n in gm.graph.nodes for k in n.meta}  # describe changes nothing
+    ep = torch.export.export(build("mlp"), (example_batch("mlp", 0),))
+    assert FakeQuantQuantizer(config).describe(ep, print_table=False) == table
 
 
 def test_validate_names_node_module_and_reason():
@@ -237,3 +239,48 @@ def test_validate_names_node_module_and_reason():
     assert "1 fake-quant point(s)" in text
     assert "input 'head_weight' of node 'linear_2' (aten.linear.default) in module 'head' (Linear):" in text
     assert "block has 3 entries but the tensor has 2 dimensions" in text
+
+
+@pytest.mark.parametrize(
+    "activation",
+    [nn.ReLU(), nn.ReLU(inplace=True), nn.ReLU6(), nn.Hardtanh(-2, 2), nn.GELU(), nn.SiLU(), nn.Hardswish(),
+     nn.Sigmoid(), nn.Tanh(), nn.LeakyReLU(), nn.ELU()],
+    ids=lambda m: type(m).__name__ + ("_" if getattr(m, "inplace", False) else ""),
+)
+def test_an_activation_after_linear_or_conv_is_quantized_after_it(activation):
+    act = PRESET_SPECS["w8a8"][0]
+    for layer, x in ((nn.Linear(8, 8), torch.randn(4, 8)), (nn.Conv2d(3, 4, 3), torch.randn(2, 3, 6, 6))):
+        gm = FakeQuantQuantizer(presets.W8A8).annotate(export(nn.Sequential(layer, activation).eval(), x))
+        outputs = {t: s for (t, where), s in annotated(gm).items() if where == "out"}
+        (activation_node,) = [n for n in gm.graph.nodes if n.op == "call_function" and n.args[0].op == "call_function"]
+        assert outputs == {activation_node.name: act}
+
+
+class StackModel(CatModel):
+    def forward(self, x):
+        return self.head(torch.stack([self.a(x), self.b(x)], dim=1).flatten(1))
+
+
+def test_stack_inputs_share_one_module():
+    gm = prepare(StackModel().eval(), torch.randn(16, 8), FakeQuantQuantizer(presets.W8A8))
+    stack = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.stack.default)
+    first, second = (gm.get_submodule(a.target) for a in stack.args[0])
+    assert first is second
+    assert len(fake_quant_modules(gm)) == 7
+
+
+def test_validate_refuses_a_shared_module_whose_qparams_change_shape():
+    class Uneven(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+        def forward(self, x):
+            return torch.cat([self.a(x), self.b(x)], dim=-1)
+
+    per_channel = q.QSpec(q.INT8, q.PerChannel(1), "asymmetric")
+    config = presets.get_preset("w8a8").set_operator_type("cat", OpConfig(input_activation=per_channel))
+    with pytest.raises(UnsupportedQuantizationError) as err:
+        prepare(Uneven().eval(), torch.randn(16, 8), FakeQuantQuantizer(config))
+    assert ("input 'linear_1' of node 'cat' (aten.cat.default) in module '' (Uneven): it shares the "
+            "fake-quant module of linear->cat, whose qparams have shape (1, 8), but") in str(err.value)
