@@ -127,7 +127,7 @@ def train(
     losses = []
     epoch_batches = batches(0) if callable(batches) else batches
     total = epochs * len(epoch_batches) if max_steps is None else min(epochs * len(epoch_batches), max_steps)
-    with tqdm(total=total, desc=desc, disable=not progress, unit="step") as bar:
+    with tqdm(total=total, desc=desc, disable=not progress, unit="step", mininterval=0.5) as bar:
         for epoch in range(epochs):
             if epoch > 0 and callable(batches):
                 epoch_batches = batches(epoch)
