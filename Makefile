@@ -28,8 +28,9 @@ $(STAMP): $(SOURCES)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# Every benchmark script, one after the other (each prints its tables).
 bench: $(STAMP)
-	$(PY) benchmarks/bench_ops.py
+	@for f in benchmarks/bench_*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
 
 # Trains a CNN on scikit-learn's digits, quantizes it (PTQ w8a8, QAT w4a8),
 # exports it and prints the table; files under $(DEMO_OUT).
