@@ -11,10 +11,6 @@
 namespace pt2e_fq::cpu {
 namespace {
 
-// Blocks shorter than this along the last dimension are processed with
-// per-element qparams gathered into scratch arrays instead of one run each.
-constexpr int64_t kMinRun = 16;
-
 // The hot loop over n elements. kPerElement: qparams are arrays of n values
 // (small blocks); otherwise one value each for the whole run.
 template <typename T, bool kPerElement>
@@ -43,52 +39,26 @@ struct Qparams {
 template <typename T>
 void affine_chunk(const T* x, T* y, uint8_t* flags, int64_t begin, int64_t end,
                   const BlockLayout& L, const Qparams& qp, float qmin, float qmax) {
-  const int64_t len = L.size[L.ndim - 1];
-  const int64_t blk = L.block[L.ndim - 1];
   alignas(64) float s_buf[kChunk], i_buf[kChunk], f_buf[kChunk];
-  int64_t i = begin;
-  while (i < end) {
-    const int64_t row = i / len;
-    int64_t col = i - row * len;
-    const int64_t base = row_scale_offset(L, row);
-    const int64_t row_end = std::min(end, (row + 1) * len);
-    if (blk >= kMinRun) {
-      while (i < row_end) {
-        const int64_t b = base + col / blk;
-        const int64_t n = std::min(row_end - i, blk - col % blk);
-        const float s = qp.scale[b], io = qp.at_ioff(b), fo = qp.at_foff(b);
-        affine_run<T, false>(x + i, y + i, flags + (i - begin), n, &s, &io, &fo, qmin, qmax);
-        i += n;
-        col += n;
-      }
-    } else {
-      const int64_t n = row_end - i;
-      int64_t b = base + col / blk, r = col % blk;
-      for (int64_t k = 0; k < n; ++k) {
-        s_buf[k] = qp.scale[b];
-        i_buf[k] = qp.at_ioff(b);
-        f_buf[k] = qp.at_foff(b);
-        if (++r == blk) {
-          r = 0;
-          ++b;
-        }
-      }
-      affine_run<T, true>(x + i, y + i, flags + (i - begin), n, s_buf, i_buf, f_buf, qmin, qmax);
-      i = row_end;
+  for_each_qparam_run(L, begin, end, [&](const QparamRun& run, bool one_block) {
+    const int64_t i = run.i;
+    if (one_block) {
+      const float s = qp.scale[run.b], io = qp.at_ioff(run.b), fo = qp.at_foff(run.b);
+      affine_run<T, false>(x + i, y + i, flags + (i - begin), run.n, &s, &io, &fo, qmin, qmax);
+      return;
     }
-  }
+    gather_qparams(run, [&](int64_t b) { return qp.scale[b]; }, s_buf);
+    gather_qparams(run, [&](int64_t b) { return qp.at_ioff(b); }, i_buf);
+    gather_qparams(run, [&](int64_t b) { return qp.at_foff(b); }, f_buf);
+    affine_run<T, true>(x + i, y + i, flags + (i - begin), run.n, s_buf, i_buf, f_buf, qmin, qmax);
+  });
 }
 
 // Value checks are cheap on the host, so the CPU path makes them; the CUDA
 // path cannot without a host sync (see README, "Bad qparams on CUDA").
 void check_qparam_values(const at::Tensor& scale, const at::Tensor& zp, const at::Tensor& minval,
                          int64_t quant_min, int64_t quant_max) {
-  const float* s = scale.data_ptr<float>();
-  for (int64_t b = 0; b < scale.numel(); ++b) {
-    TORCH_CHECK_VALUE(s[b] > 0.0f && s[b] <= std::numeric_limits<float>::max(),
-                      "pt2e_fq.fake_quantize_affine: scale must be finite and > 0, got scale[", b,
-                      "] (flat index) = ", s[b]);
-  }
+  check_scale_values("pt2e_fq.fake_quantize_affine", "scale", scale);
   if (zp.defined()) {
     const float* z = zp.data_ptr<float>();
     for (int64_t b = 0; b < zp.numel(); ++b) {

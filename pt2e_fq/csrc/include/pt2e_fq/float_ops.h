@@ -64,6 +64,19 @@ PT2E_FQ_HD float clamp_keep_nan(float v, float lo, float hi) {
   return v < lo ? lo : (v > hi ? hi : v);
 }
 
+// The bits of an fp32 value and back.
+PT2E_FQ_HD uint32_t float_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
+PT2E_FQ_HD float bits_float(uint32_t u) {
+  float f;
+  memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
 // bfloat16 <-> fp32 by bit manipulation, identical to c10::BFloat16
 // (round to nearest even, NaN becomes the canonical 0x7FC0).
 PT2E_FQ_HD float bf16_bits_to_float(uint16_t bits) {
