@@ -55,16 +55,11 @@ PT2E_FQ_CLONES void scaled_run(const T* __restrict__ x, T* __restrict__ y,
   }
 }
 
-// Element quantizers for scaled_run.
+// The element quantizer of scaled_run for the float formats.
 template <ElemFormat F>
 struct FloatElem {
   static float one(float x, float scale, bool& in_range) {
     return fake_quantize_float_one<F>(x, scale, in_range);
-  }
-};
-struct Nvfp4Elem {
-  static float one(float x, float scale, bool& in_range) {
-    return fake_quantize_nvfp4_one(x, scale, in_range);
   }
 };
 

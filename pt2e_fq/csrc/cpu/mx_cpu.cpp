@@ -27,10 +27,12 @@ struct MxScaling {
 };
 
 struct Nvfp4Scaling {
-  using Quantizer = Nvfp4Elem;
+  using Quantizer = FloatElem<ElemFormat::kE2M1>;
   float global_scale;
   float block_scale(float amax) const { return nvfp4_block_scale(amax, global_scale); }
-  float element_scale(float block_scale) const { return mul_rn(block_scale, global_scale); }
+  float element_scale(float block_scale) const {
+    return nvfp4_element_scale(block_scale, global_scale);
+  }
 };
 
 // Blocks along the last dimension (inner == 1): each block is a contiguous

@@ -55,26 +55,33 @@ PT2E_FQ_HD float exp2_exact(int k) {
   return k >= -126 ? exp2_normal(k) : bits_float(1u << (k + 149));
 }
 
-// The value of format F nearest to v, ties to even. v must satisfy
-// |v| <= fmax (saturation is the caller's clamp); NaN stays NaN, and the sign
-// of zero is kept.
+// v rounded to the grid of format F, to nearest, ties to even, with the
+// format's subnormals. Values beyond fmax round onto the grid continued
+// upwards (the caller saturates); +-Inf and NaN pass through; the sign of
+// zero is kept.
 template <ElemFormat F>
 PT2E_FQ_HD float round_to_elem(float v) {
   using E = Elem<F>;
-  // Unbiased exponent of v; -127 for zero and fp32 subnormals, which then
-  // take the step of the format's subnormals like every |v| < 2^emin.
-  const int e = static_cast<int>((float_bits(v) >> 23) & 0xFFu) - 127;
-  const int step = (e > E::emin ? e : E::emin) - E::mbits;
-  // Both products are exact: v / 2^step lies in [0, 2^(mbits+1)] and is
-  // normal or an exactly scaled fp32 subnormal; the result is on the grid.
+  // Unbiased exponent of v, limited to [emin, emax + 1]: zero, fp32
+  // subnormals (-127) and every |v| < 2^emin take the step of the format's
+  // subnormals; beyond emax + 1 (up to 128 for Inf and NaN) any step would
+  // do since the caller saturates, and the cap keeps 2^-step normal.
+  int e = static_cast<int>((float_bits(v) >> 23) & 0xFFu) - 127;
+  e = e < E::emin ? E::emin : (e > E::emax + 1 ? E::emax + 1 : e);
+  const int step = e - E::mbits;
+  // For |v| <= fmax both products are exact: v / 2^step lies in
+  // [0, 2^(mbits+1)) and is normal or an exactly scaled fp32 subnormal, and
+  // the result is on the grid.
   return mul_rn(round_half_even(mul_rn(v, exp2_normal(-step))), exp2_normal(step));
 }
 
 // Saturating cast to format F and back: values beyond +-fmax (and +-Inf)
-// become +-fmax; NaN stays NaN.
+// become +-fmax; NaN stays NaN. Rounding first and clamping after gives the
+// same result (rounding is monotonic and fmax is on the grid) and, unlike
+// the other order, lets the compiler vectorise the loop.
 template <ElemFormat F>
 PT2E_FQ_HD float cast_rne_sat(float v) {
-  return round_to_elem<F>(clamp_keep_nan(v, -Elem<F>::fmax, Elem<F>::fmax));
+  return clamp_keep_nan(round_to_elem<F>(v), -Elem<F>::fmax, Elem<F>::fmax);
 }
 
 // Fake quantization of one element with a positive fp32 scale.
@@ -111,8 +118,9 @@ PT2E_FQ_HD float mx_block_scale(float amax) {
 //   g   = amax(|x|) / (448 * 6)     unless given; 1 when that is 0 or Inf
 //   s_b = e4m3_rne_sat(amax_b / 6 / g)
 //   the element scale is the fp32 product s_b * g (what an ONNX
-//   DequantizeLinear of s_b with scale g yields).
-// A block whose scale is 0 (every |x| < 6 * 2^-10 * g) is flushed to zero
+//   DequantizeLinear of s_b with scale g yields), and the elements are
+//   fake-quantized to E2M1 with it like any float format.
+// A block whose scale is 0 (max |x| below about 6 * 2^-10 * g) becomes zero
 // with mask 1: nothing in it was clamped.
 
 constexpr float kNvfp4E4M3Max = 448.0f;
@@ -130,12 +138,14 @@ PT2E_FQ_HD float nvfp4_block_scale(float amax_b, float global_scale) {
   return cast_rne_sat<ElemFormat::kE4M3>(div_rn(div_rn(amax_b, kNvfp4E2M1Max), global_scale));
 }
 
-// `scale` is s_b * g; 0 flushes the element to (signed) zero with mask 1.
-PT2E_FQ_HD float fake_quantize_nvfp4_one(float x, float scale, bool& in_range) {
-  const bool flush = scale == 0.0f;
-  const float v = div_rn(x, flush ? 1.0f : scale);
-  in_range = flush | ((v >= -kNvfp4E2M1Max) & (v <= kNvfp4E2M1Max));
-  return mul_rn(cast_rne_sat<ElemFormat::kE2M1>(v), scale);
+// The fp32 scale a block's E2M1 elements are divided by: s_b * g. Where that
+// is 0 the block dequantizes to 0 whatever its elements (q * 0); dividing
+// its (finite, tiny) elements by FLT_MAX instead of 0 yields exactly that,
+// signed zeros with mask 1, rather than 0 / 0 = NaN. TransformerEngine's
+// reciprocal saturates to FLT_MAX the same way.
+PT2E_FQ_HD float nvfp4_element_scale(float block_scale, float global_scale) {
+  const float s = mul_rn(block_scale, global_scale);
+  return s == 0.0f ? 3.40282347e+38f : s;
 }
 
 }  // namespace pt2e_fq
