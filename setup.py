@@ -32,7 +32,7 @@ def want_cuda() -> bool:
 def extension():
     sources = sorted(glob.glob(os.path.join(CSRC, "cpu", "*.cpp")))
     # No FMA contraction: every kernel rounds exactly as the reference does.
-    cxx = ["-O3", "-std=c++17", "-ffp-contract=off", "-fopenmp", "-fno-math-errno"]
+    cxx = ["-O3", "-ffp-contract=off", "-fopenmp", "-fno-math-errno"]
     kwargs = dict(
         include_dirs=[os.path.join(HERE, CSRC, "include"), os.path.join(HERE, CSRC, "cpu")],
         extra_compile_args={"cxx": cxx},
@@ -41,7 +41,7 @@ def extension():
         return CppExtension("pt2e_fq._C", sources, **kwargs)
     sources += sorted(glob.glob(os.path.join(CSRC, "cuda", "*.cu")))
     sources += sorted(glob.glob(os.path.join(CSRC, "cuda", "*.cpp")))
-    kwargs["extra_compile_args"]["nvcc"] = ["-O3", "--fmad=false", "-std=c++17"]
+    kwargs["extra_compile_args"]["nvcc"] = ["-O3", "--fmad=false"]
     kwargs["define_macros"] = [("PT2E_FQ_WITH_CUDA", "1")]
     return CUDAExtension("pt2e_fq._C", sources, **kwargs)
 

@@ -4,9 +4,65 @@ Importing the package registers the `torch.ops.pt2e_fq` operators, which a
 saved `.pt2` file needs before `torch.export.load`.
 """
 
+import torch  # noqa: F401  (loads the libraries _C links against)
+
 from . import _C  # noqa: F401  (registers the C++/CUDA operators)
 from . import ops  # noqa: F401  (registers fake and autograd implementations)
+from .fake_quantize import FakeQuantize, UncalibratedError
+from .formats import (
+    FP4_E2M1,
+    FP8_E4M3,
+    FP8_E5M2,
+    INT4,
+    INT8,
+    INT16,
+    MXFP4,
+    MXFP8_E4M3,
+    MXFP8_E5M2,
+    NVFP4,
+    UINT4,
+    UINT8,
+    FloatFormat,
+    IntFormat,
+)
+from .granularity import PerBlock, PerChannel, PerGroup, PerTensor, PerToken
+from .observers import CurrentMinMaxObserver, MinMaxObserver, MovingAverageMinMaxObserver, MSEObserver
 from .ops import fake_quantize_affine, fake_quantize_float, fake_quantize_mx, fake_quantize_nvfp4
+from .qspec import Formulation, QSpec, Scheme
 
-__all__ = ["fake_quantize_affine", "fake_quantize_float", "fake_quantize_mx", "fake_quantize_nvfp4", "ops"]
+__all__ = [
+    "fake_quantize_affine",
+    "fake_quantize_float",
+    "fake_quantize_mx",
+    "fake_quantize_nvfp4",
+    "ops",
+    "QSpec",
+    "Scheme",
+    "Formulation",
+    "FakeQuantize",
+    "UncalibratedError",
+    "IntFormat",
+    "FloatFormat",
+    "INT4",
+    "UINT4",
+    "INT8",
+    "UINT8",
+    "INT16",
+    "FP8_E4M3",
+    "FP8_E5M2",
+    "FP4_E2M1",
+    "MXFP8_E4M3",
+    "MXFP8_E5M2",
+    "MXFP4",
+    "NVFP4",
+    "PerTensor",
+    "PerChannel",
+    "PerGroup",
+    "PerBlock",
+    "PerToken",
+    "MinMaxObserver",
+    "MovingAverageMinMaxObserver",
+    "MSEObserver",
+    "CurrentMinMaxObserver",
+]
 __version__ = "0.1.0"

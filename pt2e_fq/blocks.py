@@ -47,3 +47,21 @@ def check_qparam(op: str, name: str, t: torch.Tensor, x: torch.Tensor, expected:
             f"{op}: {name} must have shape ceil(x.shape / block_size) = {tuple(expected)} "
             f"(size-1 dimensions may be omitted), got {tuple(t.shape)}"
         )
+
+
+def reduce_blocks(x: torch.Tensor, block_size: Sequence[int], reduce, pad_value: float) -> torch.Tensor:
+    """Reduces every block of x to one value: `reduce(t, dim=...)` (torch.amin,
+    torch.amax, torch.sum) over the elements of each block; the result has the
+    reduced shape. A ragged last block is padded with `pad_value`, which must
+    not change the result (+inf for amin, -inf for amax, 0 for sum)."""
+    shape = tuple(x.shape)
+    # A block longer than its dimension is one block: no need to pad up to it.
+    block = [b if b <= s else s for s, b in zip(shape, block_size)]
+    red = reduced_shape(shape, block)
+    pad = []
+    for s, b, r in reversed(list(zip(shape, block, red))):
+        pad += [0, r * b - s]  # F.pad lists the last dimension first
+    if any(p != 0 for p in pad):
+        x = torch.nn.functional.pad(x, pad, value=pad_value)
+    blocked = x.reshape([v for r, b in zip(red, block) for v in (r, b)])
+    return reduce(blocked, dim=tuple(range(1, 2 * len(shape), 2)))

@@ -27,30 +27,23 @@ PT2E_FQ_CLONES void affine_run(const T* __restrict__ x, T* __restrict__ y,
   }
 }
 
-struct Qparams {
-  const float* scale;
-  const float* ioff;  // nullptr: a constant `ioff_const` for every block
-  const float* foff;  // nullptr: 0 for every block
-  float ioff_const;
-  float at_ioff(int64_t b) const { return ioff ? ioff[b] : ioff_const; }
-  float at_foff(int64_t b) const { return foff ? foff[b] : 0.0f; }
-};
-
 template <typename T>
 void affine_chunk(const T* x, T* y, uint8_t* flags, int64_t begin, int64_t end,
-                  const BlockLayout& L, const Qparams& qp, float qmin, float qmax) {
+                  const BlockLayout& L, const AffineQparams& qp) {
   alignas(64) float s_buf[kChunk], i_buf[kChunk], f_buf[kChunk];
   for_each_qparam_run(L, begin, end, [&](const QparamRun& run, bool one_block) {
     const int64_t i = run.i;
     if (one_block) {
-      const float s = qp.scale[run.b], io = qp.at_ioff(run.b), fo = qp.at_foff(run.b);
-      affine_run<T, false>(x + i, y + i, flags + (i - begin), run.n, &s, &io, &fo, qmin, qmax);
+      const float s = qp.scale[run.b], io = qp.ioff_at(run.b), fo = qp.foff_at(run.b);
+      affine_run<T, false>(x + i, y + i, flags + (i - begin), run.n, &s, &io, &fo, qp.qmin,
+                           qp.qmax);
       return;
     }
     gather_qparams(run, [&](int64_t b) { return qp.scale[b]; }, s_buf);
-    gather_qparams(run, [&](int64_t b) { return qp.at_ioff(b); }, i_buf);
-    gather_qparams(run, [&](int64_t b) { return qp.at_foff(b); }, f_buf);
-    affine_run<T, true>(x + i, y + i, flags + (i - begin), run.n, s_buf, i_buf, f_buf, qmin, qmax);
+    gather_qparams(run, [&](int64_t b) { return qp.ioff_at(b); }, i_buf);
+    gather_qparams(run, [&](int64_t b) { return qp.foff_at(b); }, f_buf);
+    affine_run<T, true>(x + i, y + i, flags + (i - begin), run.n, s_buf, i_buf, f_buf, qp.qmin,
+                        qp.qmax);
   });
 }
 
@@ -83,31 +76,22 @@ std::tuple<at::Tensor, at::Tensor> fake_quantize_affine_cpu(
     const at::Tensor& x_in, at::IntArrayRef block_size, const at::Tensor& scale_in,
     const c10::optional<at::Tensor>& zero_point, int64_t quant_min, int64_t quant_max,
     const c10::optional<at::Tensor>& minval) {
-  const BlockLayout L =
-      check_affine_args(x_in, block_size, scale_in, zero_point, quant_min, quant_max, minval);
-  const int64_t nblocks = num_blocks(L);
-  const at::Tensor scale = qparam_as_float(x_in, scale_in, "scale", nblocks);
-  const at::Tensor zp =
-      zero_point ? qparam_as_float(x_in, *zero_point, "zero_point", nblocks) : at::Tensor();
-  const at::Tensor mv = minval ? qparam_as_float(x_in, *minval, "minval", nblocks) : at::Tensor();
-  check_qparam_values(scale, zp, mv, quant_min, quant_max);
-
-  const at::Tensor x = x_in.contiguous();
+  const AffineInputs in = prepare_affine_inputs(x_in, block_size, scale_in, zero_point,
+                                                quant_min, quant_max, minval);
+  check_qparam_values(in.scale, in.zero_point, in.minval, quant_min, quant_max);
+  const at::Tensor& x = in.x;
   at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
   at::Tensor mask = new_packed_mask(x);
   if (x.numel() == 0) return {y, mask};
 
-  Qparams qp{scale.data_ptr<float>(), zp.defined() ? zp.data_ptr<float>() : nullptr,
-             mv.defined() ? mv.data_ptr<float>() : nullptr,
-             mv.defined() ? static_cast<float>(quant_min) : 0.0f};
-  const float qmin = static_cast<float>(quant_min), qmax = static_cast<float>(quant_max);
+  const AffineQparams qp = affine_qparams(in, quant_min, quant_max);
   dispatch_float_dtype(x.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* yp = y.data_ptr<scalar_t>();
     for_each_chunk(x.numel(), mask.data_ptr<uint8_t>(),
                    [&](int64_t begin, int64_t end, uint8_t* flags) {
-                     affine_chunk(xp, yp, flags, begin, end, L, qp, qmin, qmax);
+                     affine_chunk(xp, yp, flags, begin, end, in.layout, qp);
                    });
   });
   return {y, mask};

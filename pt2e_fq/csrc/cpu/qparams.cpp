@@ -37,10 +37,10 @@ BlockLayout check_x_and_block_size(const char* op, const at::Tensor& x,
   return L;
 }
 
-BlockLayout check_affine_args(const at::Tensor& x, at::IntArrayRef block_size,
-                              const at::Tensor& scale, const c10::optional<at::Tensor>& zero_point,
-                              int64_t quant_min, int64_t quant_max,
-                              const c10::optional<at::Tensor>& minval) {
+AffineInputs prepare_affine_inputs(const at::Tensor& x, at::IntArrayRef block_size,
+                                   const at::Tensor& scale,
+                                   const c10::optional<at::Tensor>& zero_point, int64_t quant_min,
+                                   int64_t quant_max, const c10::optional<at::Tensor>& minval) {
   const BlockLayout L = check_x_and_block_size("pt2e_fq.fake_quantize_affine", x, block_size);
   TORCH_CHECK_VALUE(quant_min <= quant_max && quant_min >= kInt16Min && quant_max <= kInt16Max,
                     "pt2e_fq.fake_quantize_affine: need ", kInt16Min,
@@ -56,7 +56,23 @@ BlockLayout check_affine_args(const at::Tensor& x, at::IntArrayRef block_size,
                      "pt2e_fq.fake_quantize_affine: zero_point must have an integer dtype, got ",
                      zero_point->scalar_type());
   }
-  return L;
+  const int64_t nblocks = num_blocks(L);
+  AffineInputs in;
+  in.x = x.contiguous();
+  in.layout = L;
+  in.scale = qparam_as_float(x, scale, "scale", nblocks);
+  if (zero_point) in.zero_point = qparam_as_float(x, *zero_point, "zero_point", nblocks);
+  if (minval) in.minval = qparam_as_float(x, *minval, "minval", nblocks);
+  return in;
+}
+
+AffineQparams affine_qparams(const AffineInputs& in, int64_t quant_min, int64_t quant_max) {
+  const auto ptr = [](const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
+  // MINVAL: the integer offset is quant_min for every block.
+  const float ioff_const = in.minval.defined() ? static_cast<float>(quant_min) : 0.0f;
+  return {ptr(in.scale),     ptr(in.zero_point),
+          ptr(in.minval),    ioff_const,
+          static_cast<float>(quant_min), static_cast<float>(quant_max)};
 }
 
 at::Tensor qparam_as_float(const at::Tensor& x, const at::Tensor& t, const char* name,

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include "pt2e_fq/affine.h"
 #include "pt2e_fq/block_layout.h"
 
 namespace pt2e_fq {
@@ -15,12 +16,24 @@ namespace pt2e_fq {
 BlockLayout check_x_and_block_size(const char* op, const at::Tensor& x,
                                    at::IntArrayRef block_size);
 
+// The affine op's inputs after checks, ready for a kernel: contiguous x, the
+// canonical block layout, and per-block qparams as contiguous fp32 (zp and
+// minval undefined when not given).
+struct AffineInputs {
+  at::Tensor x;
+  BlockLayout layout;
+  at::Tensor scale, zero_point, minval;
+};
+
 // Checks shapes and dtypes (never values: that would need a host sync on
-// CUDA) and returns the canonical block layout of x.
-BlockLayout check_affine_args(const at::Tensor& x, at::IntArrayRef block_size,
-                              const at::Tensor& scale, const c10::optional<at::Tensor>& zero_point,
-                              int64_t quant_min, int64_t quant_max,
-                              const c10::optional<at::Tensor>& minval);
+// CUDA) and prepares the inputs.
+AffineInputs prepare_affine_inputs(const at::Tensor& x, at::IntArrayRef block_size,
+                                   const at::Tensor& scale,
+                                   const c10::optional<at::Tensor>& zero_point, int64_t quant_min,
+                                   int64_t quant_max, const c10::optional<at::Tensor>& minval);
+
+// Kernel view of the prepared qparams (pointers into `in`, which must outlive it).
+AffineQparams affine_qparams(const AffineInputs& in, int64_t quant_min, int64_t quant_max);
 
 // Checks a per-block qparam tensor: same device as x, numel of the layout's
 // block count, and returns it as a contiguous fp32 tensor.

@@ -14,6 +14,19 @@
 
 namespace pt2e_fq {
 
+// Per-block qparams as fp32 arrays indexed by block (device pointers on CUDA).
+// ioff == nullptr: every block uses ioff_const; foff == nullptr: 0.
+struct AffineQparams {
+  const float* scale;
+  const float* ioff;
+  const float* foff;
+  float ioff_const;
+  float qmin;
+  float qmax;
+  PT2E_FQ_HD float ioff_at(int64_t b) const { return ioff ? ioff[b] : ioff_const; }
+  PT2E_FQ_HD float foff_at(int64_t b) const { return foff ? foff[b] : 0.0f; }
+};
+
 PT2E_FQ_HD float fake_quantize_affine_one(float x, float scale, float ioff, float foff,
                                           float qmin, float qmax, bool& in_range) {
   const float q = add_rn(round_half_even(div_rn(sub_rn(x, foff), scale)), ioff);

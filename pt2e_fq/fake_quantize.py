@@ -1,0 +1,299 @@
+"""FakeQuantize: the module prepare_pt2e / prepare_qat_pt2e insert at every
+quantization point.
+
+A torchao FakeQuantizeBase whose forward observes (when its observer is on)
+and then calls one fused pt2e_fq op. It never branches on a tensor value: the
+on/off switches are Python flags kept in step with torchao's buffers by the
+enable/disable methods (a branch on `observer_enabled[0]` would break
+torch.export and split torch.compile graphs). `convert()` leaves the node in
+the graph and freezes the module: observers off for good, observer state and
+switch buffers dropped, so a re-exported program sees only the qparams.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torchao.quantization.pt2e import FakeQuantizeBase
+
+from . import ops
+from .blocks import reduced_shape
+from .formats import FloatFormat, IntFormat
+from .qparams import qparam_names, qparams_from_range
+from .qspec import QSpec
+
+# Buffers that only matter before convert: the observers' running range and
+# torchao's on/off switches (every buffer becomes an exported program input).
+_PREPARE_ONLY_BUFFERS = ("min_val", "max_val", "fake_quant_enabled", "observer_enabled")
+
+
+class UncalibratedError(RuntimeError):
+    """convert_pt2e met fake-quant points that never computed qparams."""
+
+
+def _fake_quantize_int(spec: QSpec, x: torch.Tensor, block_size, qparams: dict) -> torch.Tensor:
+    qmin, qmax = spec.quant_range
+    return ops.fake_quantize_affine(
+        x, block_size, qparams["scale"], qparams.get("zero_point"), qmin, qmax, minval=qparams.get("minval")
+    )
+
+
+# The ops float formats need; they arrive with the float-formats issue.
+_FLOAT_OPS = {
+    FloatFormat.FP8_E4M3: "fake_quantize_float",
+    FloatFormat.FP8_E5M2: "fake_quantize_float",
+    FloatFormat.FP4_E2M1: "fake_quantize_float",
+    FloatFormat.MXFP8_E4M3: "fake_quantize_mx",
+    FloatFormat.MXFP8_E5M2: "fake_quantize_mx",
+    FloatFormat.MXFP4: "fake_quantize_mx",
+    FloatFormat.NVFP4: "fake_quantize_nvfp4",
+}
+
+
+def fake_quantizer(fmt):
+    """The one place a format is mapped to its fused op: returns
+    fn(spec, x, block_size, qparams) -> y."""
+    if isinstance(fmt, IntFormat):
+        return _fake_quantize_int
+    # Float formats: add the calls to ops.fake_quantize_float(x, block_size,
+    # scale, dtype), ops.fake_quantize_mx(x, elem_dtype, block_size, axis) and
+    # ops.fake_quantize_nvfp4(x, global_scale, axis) here.
+    raise NotImplementedError(
+        f"FakeQuantize: format {fmt.name} needs pt2e_fq.ops.{_FLOAT_OPS[fmt]}, which this build "
+        "does not have yet; integer formats are supported"
+    )
+
+
+class FakeQuantize(FakeQuantizeBase):
+    """Fake quantization of one point, configured by a QSpec.
+
+    Build it through `QSpec.to_quantization_spec()` (torchao's prepare passes
+    the QuantizationSpec's standard fields, which must agree with the QSpec),
+    or directly as `FakeQuantize(qspec)`.
+
+    Buffers of a static point: the qparams (`scale` and `zero_point` or
+    `minval`; shape ceil(x.shape / block_size), same rank as x, fp32 / int32,
+    created at the first observation) and, while prepared, the running range
+    `min_val` / `max_val` of MinMax and MovingAverageMinMax observers plus
+    torchao's `fake_quant_enabled` / `observer_enabled`. A dynamic point
+    stores no qparams. Qparams stay fp32 when the model is cast to bf16.
+    """
+
+    def __init__(
+        self,
+        qspec: QSpec,
+        *,
+        dtype: Optional[torch.dtype] = None,
+        quant_min: Optional[int] = None,
+        quant_max: Optional[int] = None,
+        qscheme: Optional[torch.qscheme] = None,
+        ch_axis: Optional[int] = None,
+        is_dynamic: Optional[bool] = None,
+    ):
+        super().__init__()
+        if not isinstance(qspec, QSpec):
+            raise TypeError(f"FakeQuantize: qspec must be a pt2e_fq.QSpec, got {type(qspec).__name__}")
+        qmin, qmax = qspec.quant_range
+        # What torchao knows about this point: its QuantizationSpec's fields.
+        self.dtype = qspec.format.torch_dtype
+        self.quant_min, self.quant_max = qmin, qmax
+        self.qscheme = qspec.torch_qscheme
+        self.ch_axis = qspec.ch_axis
+        self.is_dynamic = qspec.dynamic
+        if is_dynamic:
+            raise ValueError(
+                "FakeQuantize: is_dynamic=True in the QuantizationSpec breaks convert_pt2e (it looks for "
+                "its own choose_qparams node); set QSpec(dynamic=True) and use QSpec.to_quantization_spec()"
+            )
+        given = dict(dtype=dtype, quant_min=quant_min, quant_max=quant_max, qscheme=qscheme, ch_axis=ch_axis)
+        for name, value in given.items():
+            if value is not None and value != getattr(self, name):
+                raise ValueError(
+                    f"FakeQuantize: {name}={value!r} disagrees with the QSpec ({qspec}), which gives "
+                    f"{getattr(self, name)!r}; change the QSpec and use QSpec.to_quantization_spec()"
+                )
+        self.qspec = qspec
+        self._fake_quantize_fn = fake_quantizer(qspec.format)  # fails early for a format without an op
+        self._qparam_names = qparam_names(qspec)  # what the op takes besides x
+        self._observer = qspec.observer_or_default
+        self._observer_on = True
+        self._fake_quant_on = True
+        self._frozen = False
+        if not qspec.dynamic:
+            for name in self._qparam_names:
+                dt = torch.int32 if name == "zero_point" else torch.float32
+                self.register_buffer(name, torch.empty(0, dtype=dt))
+            if self._observer.keeps_range:
+                self.register_buffer("min_val", torch.empty(0))
+                self.register_buffer("max_val", torch.empty(0))
+
+    # -- state -------------------------------------------------------------
+
+    @property
+    def is_frozen(self) -> bool:
+        """True after convert: the observer is off for good."""
+        return self._frozen
+
+    @property
+    def is_calibrated(self) -> bool:
+        """True when the point has qparams to apply (always, for dynamic)."""
+        return all(self._buffers[n].numel() > 0 for n in self._qparam_buffer_names())
+
+    def _qparam_buffer_names(self) -> tuple[str, ...]:
+        return () if self.qspec.dynamic else self._qparam_names
+
+    def calculate_qparams(self, **kwargs) -> dict[str, torch.Tensor]:
+        """The stored qparams by name (empty for a dynamic point)."""
+        return {n: self._buffers[n] for n in self._qparam_buffer_names()}
+
+    def _check_stored_shape(self, input_shape) -> None:
+        """Stored state (qparams, running range) has one shape, fixed by the
+        first observation; an input that needs another is an error."""
+        shape = reduced_shape(input_shape, self.qspec.range_granularity.block_size(input_shape))
+        for name in self._qparam_buffer_names() + ("min_val", "max_val"):
+            buf = self._buffers.get(name)
+            if buf is not None and buf.numel() > 0 and tuple(buf.shape) != tuple(shape):
+                raise ValueError(
+                    f"FakeQuantize({self.qspec}): this input (shape {tuple(input_shape)}) gives "
+                    f"qparams of shape {tuple(shape)}, but the point was calibrated with shape "
+                    f"{tuple(buf.shape)}; inputs of varying shape need a granularity whose qparams do not "
+                    "depend on the shape (PerTensor, PerChannel) or a dynamic point"
+                )
+
+    def _store(self, name: str, value: torch.Tensor) -> None:
+        current = self._buffers[name]
+        if current.numel() == 0:  # first observation: the shape is known now
+            setattr(self, name, value.to(current.dtype))
+        else:
+            current.copy_(value)  # in place: same storage for compile, DDP and optimizers
+
+    # -- forward -----------------------------------------------------------
+
+    def _fake_quantize(self, x: torch.Tensor, qparams: dict) -> torch.Tensor:
+        block_size = self.qspec.granularity.block_size(x.shape)
+        return self._fake_quantize_fn(self.qspec, x, block_size, qparams)
+
+    def _range_and_qparams(self, x: torch.Tensor, running):
+        """Observes x (detached: observers need no graph) and returns the new
+        range and its qparams."""
+        x = x.detach()
+        block_size = self.qspec.range_granularity.block_size(x.shape)
+
+        def fake_quantize_range(lo, hi):  # for observers that search the range
+            return self._fake_quantize(x, qparams_from_range(self.qspec, lo, hi))
+
+        lo, hi = self._observer.observe(x, block_size, running, fake_quantize_range)
+        return (lo, hi), qparams_from_range(self.qspec, lo, hi)
+
+    def _observe(self, x: torch.Tensor) -> None:
+        self._check_stored_shape(x.shape)
+        keeps_range = self._observer.keeps_range
+        running = (self.min_val, self.max_val) if keeps_range and self.min_val.numel() > 0 else None
+        (lo, hi), qparams = self._range_and_qparams(x, running)
+        if keeps_range:
+            self._store("min_val", lo)
+            self._store("max_val", hi)
+        for name, value in qparams.items():
+            self._store(name, value)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qspec.dynamic:
+            if not self._fake_quant_on:
+                return x
+            # (MX formats need nothing: the kernel scales every block itself.)
+            qparams = self._range_and_qparams(x, None)[1] if self._qparam_names else {}
+            return self._fake_quantize(x, qparams)
+        if self._observer_on:
+            self._observe(x)
+        if not self._fake_quant_on:
+            return x
+        if not self.is_calibrated:
+            raise UncalibratedError(
+                f"FakeQuantize({self.qspec}) has no qparams yet: run it with the observer enabled "
+                "(calibrate) or load a calibrated state_dict first"
+            )
+        return self._fake_quantize(x, self.calculate_qparams())
+
+    # -- switches (torchao's enable_observer / disable_fake_quant ... call these)
+
+    def enable_observer(self, enabled: bool = True) -> None:
+        if self._frozen:
+            if enabled:
+                raise RuntimeError(f"FakeQuantize({self.qspec}) was converted; its observer is off for good")
+            return
+        super().enable_observer(enabled)
+        self._observer_on = bool(enabled)
+
+    def enable_fake_quant(self, enabled: bool = True) -> None:
+        if not self._frozen:  # a frozen module has no switch buffers
+            super().enable_fake_quant(enabled)
+        self._fake_quant_on = bool(enabled)
+
+    # -- convert -----------------------------------------------------------
+
+    def convert(self, model: torch.fx.GraphModule, observer_node: torch.fx.Node) -> None:
+        """convert_pt2e calls this for every point instead of rewriting it into
+        q/dq ops. The node stays; the module freezes."""
+        check_calibrated(model)
+        self._frozen = True
+        self._observer_on = False
+        for name in _PREPARE_ONLY_BUFFERS:
+            self._buffers.pop(name, None)
+
+    # -- state_dict, dtype casts ---------------------------------------------
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # Buffers sized at the first observation start empty: take the saved
+        # shape (either side empty), as torch's observers do.
+        for name, buf in self._buffers.items():
+            saved = state_dict.get(prefix + name)
+            if saved is not None and saved.shape != buf.shape and 0 in (saved.numel(), buf.numel()):
+                self._buffers[name] = torch.empty(saved.shape, dtype=buf.dtype, device=buf.device)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        # The Python flags follow the loaded switches (reading them here, at
+        # load time, is the one place a value crosses to the host).
+        if "observer_enabled" in self._buffers:
+            self._observer_on = bool(self.observer_enabled[0])
+        if "fake_quant_enabled" in self._buffers:
+            self._fake_quant_on = bool(self.fake_quant_enabled[0])
+
+    def _apply(self, fn, recurse=True):
+        # model.to(torch.bfloat16) must not round the qparams: the op computes
+        # in fp32, so buffers keep their dtype and only follow device moves.
+        def keep_dtype(t):
+            moved = fn(t)
+            return moved if moved.dtype == t.dtype else t.to(device=moved.device)
+
+        return super()._apply(keep_dtype, recurse)
+
+    def extra_repr(self) -> str:
+        observer = "frozen" if self._frozen else ("on" if self._observer_on else "off")
+        return (
+            f"{self.qspec}, observer={observer}, fake_quant={'on' if self._fake_quant_on else 'off'}, "
+            f"calibrated={self.is_calibrated}"
+        )
+
+
+def check_calibrated(model: torch.nn.Module) -> None:
+    """Raises UncalibratedError listing, by module path, every FakeQuantize in
+    `model` without qparams, with the graph nodes it sits between."""
+    missing = [(path, m) for path, m in model.named_modules() if isinstance(m, FakeQuantize) and not m.is_calibrated]
+    if not missing:
+        return
+    graph = getattr(model, "graph", None)
+    nodes = {n.target: n for n in graph.nodes if n.op == "call_module"} if graph is not None else {}
+    lines = []
+    for path, m in missing:
+        where = ""
+        node = nodes.get(path)
+        if node is not None:
+            src = node.args[0].name if node.args and isinstance(node.args[0], torch.fx.Node) else "?"
+            where = f" between '{src}' and {sorted(u.name for u in node.users)}"
+        lines.append(f"  {path}: {m.qspec}{where}")
+    raise UncalibratedError(
+        f"{len(missing)} fake-quant point(s) never saw data; calibrate the prepared model (or load a "
+        "calibrated state_dict) before convert_pt2e:\n" + "\n".join(lines)
+    )

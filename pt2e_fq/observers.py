@@ -1,0 +1,137 @@
+"""Observers: the per-block range [lo, hi] a fake-quant point quantizes to.
+
+An observer is a small frozen config with one method, `observe`. It reduces
+over the blocks of the point's granularity (blocks.reduce_blocks), so every
+observer works with every granularity, and uses tensor ops only: no
+`.item()`, no branch on a tensor value, no host sync. The FakeQuantize module
+owns the state (the running range of MinMax and MovingAverageMinMax, in its
+`min_val` / `max_val` buffers) and turns the range into qparams (qparams.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Optional, Sequence
+
+import torch
+
+from .blocks import reduce_blocks
+
+Range = tuple[torch.Tensor, torch.Tensor]
+# (lo, hi) -> x fake-quantized with the qparams of that range.
+FakeQuantizeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def block_min_max(x: torch.Tensor, block_size: Sequence[int]) -> Range:
+    """The fp32 minimum and maximum of every block (NaN propagates)."""
+    lo = reduce_blocks(x, block_size, torch.amin, math.inf)
+    hi = reduce_blocks(x, block_size, torch.amax, -math.inf)
+    return lo.float(), hi.float()
+
+
+class Observer:
+    """Base class. `keeps_range`: the module keeps the running range between
+    calls. `dynamic`: the observer computes qparams from the live tensor, for
+    dynamic points."""
+
+    keeps_range: ClassVar[bool] = False
+    dynamic: ClassVar[bool] = False
+
+    def observe(
+        self,
+        x: torch.Tensor,
+        block_size: Sequence[int],
+        running: Optional[Range],
+        fake_quantize: FakeQuantizeFn,
+    ) -> Range:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class MinMaxObserver(Observer):
+    """The running minimum and maximum over every batch seen (calibration)."""
+
+    keeps_range: ClassVar[bool] = True
+
+    def observe(self, x, block_size, running, fake_quantize):
+        lo, hi = block_min_max(x, block_size)
+        if running is None:
+            return lo, hi
+        return torch.minimum(running[0], lo), torch.maximum(running[1], hi)
+
+
+@dataclass(frozen=True)
+class MovingAverageMinMaxObserver(Observer):
+    """An exponential moving average of each batch's min and max (QAT):
+    running += averaging_constant * (batch - running); the first batch sets it."""
+
+    averaging_constant: float = 0.01
+    keeps_range: ClassVar[bool] = True
+
+    def __post_init__(self):
+        c = self.averaging_constant
+        if not isinstance(c, (int, float)) or isinstance(c, bool) or not 0 < c <= 1:
+            raise ValueError(f"MovingAverageMinMaxObserver: averaging_constant must be in (0, 1], got {c!r}")
+
+    def observe(self, x, block_size, running, fake_quantize):
+        lo, hi = block_min_max(x, block_size)
+        if running is None:
+            return lo, hi
+        c = self.averaging_constant
+        return running[0] + c * (lo - running[0]), running[1] + c * (hi - running[1])
+
+
+@dataclass(frozen=True)
+class MSEObserver(Observer):
+    """Searches the clipping range that minimises the fake-quant error, per
+    block: candidates [lo, hi] * f for `num_candidates` fractions f evenly
+    from 1 down to `min_fraction` (clipping toward 0); the smallest sum of
+    squared errors wins, the widest range on a tie. It looks at the current
+    tensor only, which is right for weights; one fused op call per candidate."""
+
+    num_candidates: int = 100
+    min_fraction: float = 0.2
+
+    def __post_init__(self):
+        n, f = self.num_candidates, self.min_fraction
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"MSEObserver: num_candidates must be an int >= 1, got {n!r}")
+        if not isinstance(f, (int, float)) or isinstance(f, bool) or not 0 < f <= 1:
+            raise ValueError(f"MSEObserver: min_fraction must be in (0, 1], got {f!r}")
+
+    def fractions(self) -> list[float]:
+        n = self.num_candidates
+        step = (1.0 - self.min_fraction) / max(n - 1, 1)
+        return [1.0 - k * step for k in range(n)]
+
+    def observe(self, x, block_size, running, fake_quantize):
+        lo, hi = block_min_max(x, block_size)
+        xf = x.float()
+        best_lo, best_hi, best_err = lo, hi, None
+        for f in self.fractions():
+            c_lo, c_hi = lo * f, hi * f
+            err = reduce_blocks((fake_quantize(c_lo, c_hi).float() - xf).square(), block_size, torch.sum, 0.0)
+            if best_err is None:
+                best_err, best_lo, best_hi = err, c_lo, c_hi
+                continue
+            better = err < best_err  # strict: a tie keeps the wider range
+            best_err = torch.where(better, err, best_err)
+            best_lo = torch.where(better, c_lo, best_lo)
+            best_hi = torch.where(better, c_hi, best_hi)
+        return best_lo, best_hi
+
+
+@dataclass(frozen=True)
+class CurrentMinMaxObserver(Observer):
+    """The live tensor's min and max at every call: current scaling for
+    dynamic points (per-tensor, per-token or any granularity); on a static
+    point it tracks the latest batch (e.g. a weight during QAT)."""
+
+    dynamic: ClassVar[bool] = True
+
+    def observe(self, x, block_size, running, fake_quantize):
+        return block_min_max(x, block_size)
+
+
+OBSERVERS = (MinMaxObserver, MovingAverageMinMaxObserver, MSEObserver, CurrentMinMaxObserver)

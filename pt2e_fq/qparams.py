@@ -1,0 +1,86 @@
+"""Quantization parameters from an observed range, per format, scheme and
+formulation.
+
+Inputs are the per-block range (lo, hi) as fp32 tensors of the reduced shape;
+outputs are tensors of the same shape, computed with tensor ops only (no host
+sync). The integer formulas are torch's observers' (`_calculate_qparams`), so
+results agree with torchao's stock observers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .formats import FloatFormat, IntFormat
+from .qspec import Formulation, QSpec, Scheme
+
+# torch's observers floor integer scales at fp32 eps; a constant tensor then
+# gets a tiny but valid scale instead of 0.
+INT_SCALE_EPS = torch.finfo(torch.float32).eps
+# Float formats have range to spare: floor only at the smallest normal fp32.
+FLOAT_SCALE_TINY = torch.finfo(torch.float32).tiny
+# NVFP4's per-block scales are E4M3 (largest 448) under the global scale.
+NVFP4_BLOCK_SCALE_MAX = 448.0
+
+
+def symmetric_qparams(lo, hi, quant_min: int, quant_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """scale = max(|lo|, |hi|) / ((quant_max - quant_min) / 2); the zero point
+    is the middle code: 0 for a signed range, 2**(bits-1) for an unsigned one."""
+    amax = torch.maximum(-lo.clamp(max=0), hi.clamp(min=0))
+    scale = (amax / ((quant_max - quant_min) / 2)).clamp(min=INT_SCALE_EPS)
+    zero_point = torch.full_like(scale, (quant_min + quant_max + 1) // 2, dtype=torch.int32)
+    return scale, zero_point
+
+
+def asymmetric_qparams(lo, hi, quant_min: int, quant_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The range widened to include 0 maps onto [quant_min, quant_max]; the
+    integer zero point makes 0 exactly representable."""
+    min_neg, max_pos = lo.clamp(max=0), hi.clamp(min=0)
+    scale = ((max_pos - min_neg) / float(quant_max - quant_min)).clamp(min=INT_SCALE_EPS)
+    zero_point = quant_min - torch.round(min_neg / scale).to(torch.int32)
+    return scale, zero_point.clamp(quant_min, quant_max)
+
+
+def minval_qparams(lo, hi, quant_min: int, quant_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """MINVAL formulation: [lo, hi] itself maps onto [quant_min, quant_max]
+    (0 need not be representable); returns (scale, minval)."""
+    scale = ((hi - lo) / float(quant_max - quant_min)).clamp(min=INT_SCALE_EPS)
+    return scale, lo.clone()
+
+
+def float_scale(lo, hi, fmax: float) -> torch.Tensor:
+    """Float formats: the block's amax maps to the format's largest value."""
+    amax = torch.maximum(lo.abs(), hi.abs())
+    return (amax / fmax).clamp(min=FLOAT_SCALE_TINY)
+
+
+def qparam_names(spec: QSpec) -> tuple[str, ...]:
+    """The tensors a fake-quant point of this spec stores (static) or computes
+    (dynamic), in the order the op takes them."""
+    fmt = spec.format
+    if isinstance(fmt, IntFormat):
+        return ("scale", "minval") if spec.formulation is Formulation.MINVAL else ("scale", "zero_point")
+    if fmt is FloatFormat.NVFP4 and not spec.dynamic:
+        return ("global_scale",)  # calibrated; the block scales come from the kernel
+    if fmt.block_scaled:
+        return ()  # MX, dynamic NVFP4: the kernel computes every scale from the live tensor
+    return ("scale",)
+
+
+def qparams_from_range(spec: QSpec, lo: torch.Tensor, hi: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The qparams of `spec` for the per-block range [lo, hi]."""
+    if not qparam_names(spec):
+        return {}
+    lo, hi = lo.float(), hi.float()
+    fmt = spec.format
+    if isinstance(fmt, IntFormat):
+        qmin, qmax = spec.quant_range
+        if spec.formulation is Formulation.MINVAL:
+            scale, minval = minval_qparams(lo, hi, qmin, qmax)
+            return {"scale": scale, "minval": minval}
+        calc = asymmetric_qparams if spec.scheme is Scheme.ASYMMETRIC else symmetric_qparams
+        scale, zero_point = calc(lo, hi, qmin, qmax)
+        return {"scale": scale, "zero_point": zero_point}
+    if fmt is FloatFormat.NVFP4:
+        return {"global_scale": float_scale(lo, hi, fmt.fmax * NVFP4_BLOCK_SCALE_MAX)}
+    return {"scale": float_scale(lo, hi, fmt.fmax)}
