@@ -205,3 +205,34 @@ def test_direct_op_calls_are_checked_in_cpp(call, message):
     with pytest.raises((ValueError, RuntimeError)) as info:
         call(sample())
     assert message in str(info.value)
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispatch_key(
+        "pt2e_fq::fake_quantize_mx", "CUDA"
+    )
+
+
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device (and pt2e_fq built with CUDA)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_ops_equal_the_cpu_ops_bit_for_bit(dtype):
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(67, 45, 5, generator=g) * 50).to(dtype)
+    x.view(-1)[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0]).to(dtype)
+    calls = [
+        (torch.ops.pt2e_fq.fake_quantize_float, (x, [1, 45, 5], torch.rand(67, generator=g) + 0.01, "e4m3")),
+        (torch.ops.pt2e_fq.fake_quantize_float, (x, [67, 45, 5], torch.tensor(3.0), "e2m1")),
+        (torch.ops.pt2e_fq.fake_quantize_float, (x, [4, 1, 5], torch.rand(17, 45, 1, generator=g) + 0.1, "e5m2")),
+    ]
+    for fmt in ("e4m3", "e5m2", "e2m1"):
+        calls += [(torch.ops.pt2e_fq.fake_quantize_mx, (x, fmt, 32, axis)) for axis in (-1, 0, 1)]
+    calls += [(torch.ops.pt2e_fq.fake_quantize_nvfp4, (x, None, axis)) for axis in (-1, 0)]
+    calls.append((torch.ops.pt2e_fq.fake_quantize_nvfp4, (x, torch.tensor(0.01), 1)))
+    for op, args in calls:
+        expected = op(*args)
+        got = op(*[a.cuda() if isinstance(a, torch.Tensor) else a for a in args])
+        for e, o in zip(expected, got):
+            o = o.cpu()
+            assert e.shape == o.shape and e.dtype == o.dtype
+            same = (e == o) | (torch.isnan(e) & torch.isnan(o)) if e.is_floating_point() else e == o
+            assert bool(same.all()), (op, args[1:], e.dtype)

@@ -63,22 +63,15 @@ struct FloatElem {
   }
 };
 
-// The bits of max |x[i]| over n elements, compared as integers: for |x| the
-// order of the bit patterns is the order of the values, and every NaN is
-// above +Inf (0x7F800000), so a result above it means a NaN was seen.
+// The bits of max |x[i]| over n elements (see abs_bits / amax_from_bits).
 template <typename T>
 PT2E_FQ_CLONES uint32_t max_abs_bits(const T* __restrict__ x, int64_t n) {
   uint32_t m = 0;
   for (int64_t i = 0; i < n; ++i) {
-    const uint32_t a = float_bits(load_f32(x[i])) & 0x7FFFFFFFu;
+    const uint32_t a = abs_bits(load_f32(x[i]));
     m = a > m ? a : m;
   }
   return m;
-}
-
-// The float a max_abs_bits result stands for (a NaN when one was seen).
-inline float amax_from_bits(uint32_t bits) {
-  return bits > 0x7F800000u ? bits_float(0x7FC00000u) : bits_float(bits);
 }
 
 // Packs n 0/1 bytes into ceil(n / 8) bytes, least significant bit first.

@@ -70,7 +70,7 @@ template <typename T>
 PT2E_FQ_CLONES void accumulate_max_abs_bits(const T* __restrict__ x, int64_t n,
                                             uint32_t* __restrict__ acc) {
   for (int64_t c = 0; c < n; ++c) {
-    const uint32_t a = float_bits(load_f32(x[c])) & 0x7FFFFFFFu;
+    const uint32_t a = abs_bits(load_f32(x[c]));
     acc[c] = a > acc[c] ? a : acc[c];
   }
 }

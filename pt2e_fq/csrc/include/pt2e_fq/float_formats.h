@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "pt2e_fq/float_ops.h"
 
@@ -92,6 +93,15 @@ PT2E_FQ_HD float fake_quantize_float_one(float x, float scale, bool& in_range) {
   return mul_rn(cast_rne_sat<F>(v), scale);
 }
 
+// Block amax as integers: the bits of |v| order like the values, and every
+// NaN is above +Inf (0x7F800000), so max over abs_bits finds the amax and
+// tells whether the block holds a NaN, with integer max (vectorisable).
+PT2E_FQ_HD uint32_t abs_bits(float v) { return float_bits(v) & 0x7FFFFFFFu; }
+
+PT2E_FQ_HD float amax_from_bits(uint32_t max_abs_bits) {
+  return max_abs_bits > 0x7F800000u ? bits_float(0x7FC00000u) : bits_float(max_abs_bits);
+}
+
 // ---------------------------------------------------------------------------
 // MX (OCP Microscaling Formats v1.0, section 6.3): per block of k elements,
 //   X = 2^(floor(log2(max_i |V_i|)) - emax_elem)
@@ -146,6 +156,20 @@ PT2E_FQ_HD float nvfp4_block_scale(float amax_b, float global_scale) {
 PT2E_FQ_HD float nvfp4_element_scale(float block_scale, float global_scale) {
   const float s = mul_rn(block_scale, global_scale);
   return s == 0.0f ? 3.40282347e+38f : s;
+}
+
+// Calls fn(std::integral_constant<ElemFormat, F>{}) so kernels are compiled
+// once per element format (host code).
+template <typename Fn>
+void dispatch_elem_format(ElemFormat f, const Fn& fn) {
+  switch (f) {
+    case ElemFormat::kE4M3:
+      return fn(std::integral_constant<ElemFormat, ElemFormat::kE4M3>{});
+    case ElemFormat::kE5M2:
+      return fn(std::integral_constant<ElemFormat, ElemFormat::kE5M2>{});
+    case ElemFormat::kE2M1:
+      return fn(std::integral_constant<ElemFormat, ElemFormat::kE2M1>{});
+  }
 }
 
 }  // namespace pt2e_fq
