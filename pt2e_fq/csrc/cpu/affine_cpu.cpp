@@ -85,14 +85,9 @@ std::tuple<at::Tensor, at::Tensor> fake_quantize_affine_cpu(
   if (x.numel() == 0) return {y, mask};
 
   const AffineQparams qp = affine_qparams(in, quant_min, quant_max);
-  dispatch_float_dtype(x.scalar_type(), [&](auto tag) {
-    using scalar_t = decltype(tag);
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    scalar_t* yp = y.data_ptr<scalar_t>();
-    for_each_chunk(x.numel(), mask.data_ptr<uint8_t>(),
-                   [&](int64_t begin, int64_t end, uint8_t* flags) {
-                     affine_chunk(xp, yp, flags, begin, end, in.layout, qp);
-                   });
+  for_each_typed_chunk(x, y, mask, [&](auto xp, auto yp, uint8_t* flags, int64_t begin,
+                                       int64_t end) {
+    affine_chunk(xp, yp, flags, begin, end, in.layout, qp);
   });
   return {y, mask};
 }

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "dtype_dispatch.h"
 #include "pt2e_fq/block_layout.h"
 #include "pt2e_fq/float_formats.h"
 #include "pt2e_fq/float_ops.h"
@@ -103,6 +104,22 @@ void for_each_chunk(int64_t numel, uint8_t* mask, const Fn& fn) {
       fn(begin, end, flags);
       pack_bits(flags, end - begin, mask + begin / 8);
     }
+  });
+}
+
+// The driver of the elementwise kernels: with T the C++ type of x's dtype,
+// calls fn(const T* x, T* y, flags, begin, end) for the chunks of x (see
+// for_each_chunk), x and y contiguous.
+template <typename Fn>
+void for_each_typed_chunk(const at::Tensor& x, at::Tensor& y, at::Tensor& mask, const Fn& fn) {
+  dispatch_float_dtype(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = x.data_ptr<T>();
+    T* yp = y.data_ptr<T>();
+    for_each_chunk(x.numel(), mask.data_ptr<uint8_t>(),
+                   [&](int64_t begin, int64_t end, uint8_t* flags) {
+                     fn(xp, yp, flags, begin, end);
+                   });
   });
 }
 

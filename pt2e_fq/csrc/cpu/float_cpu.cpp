@@ -46,15 +46,9 @@ std::tuple<at::Tensor, at::Tensor> fake_quantize_float_cpu(const at::Tensor& x_i
   if (x.numel() == 0) return {y, mask};
   const float* s = scale.data_ptr<float>();
   dispatch_elem_format(format, [&](auto ftag) {
-    constexpr ElemFormat F = decltype(ftag)::value;
-    dispatch_float_dtype(x.scalar_type(), [&](auto tag) {
-      using scalar_t = decltype(tag);
-      const scalar_t* xp = x.data_ptr<scalar_t>();
-      scalar_t* yp = y.data_ptr<scalar_t>();
-      for_each_chunk(x.numel(), mask.data_ptr<uint8_t>(),
-                     [&](int64_t begin, int64_t end, uint8_t* flags) {
-                       float_chunk<F>(xp, yp, flags, begin, end, L, s);
-                     });
+    for_each_typed_chunk(x, y, mask, [&](auto xp, auto yp, uint8_t* flags, int64_t begin,
+                                         int64_t end) {
+      float_chunk<decltype(ftag)::value>(xp, yp, flags, begin, end, L, s);
     });
   });
   return {y, mask};
