@@ -47,7 +47,9 @@ def op_calls():
         x = sample(dtype).requires_grad_()
         for fmt in ("e4m3", "e5m2", "e2m1"):
             calls.append((torch.ops.pt2e_fq.fake_quantize_float.default, (x, [1, 40], torch.linspace(0.01, 1, 37), fmt)))
+            calls.append((torch.ops.pt2e_fq.fake_quantize_float.default, (x, [5, 8], torch.rand(8, 5) + 0.1, fmt)))
             calls.append((torch.ops.pt2e_fq.fake_quantize_mx.default, (x, fmt, 32, 0)))
+            calls.append((torch.ops.pt2e_fq.fake_quantize_mx.default, (x, fmt, 32, -1)))  # ragged
         calls.append((torch.ops.pt2e_fq.fake_quantize_nvfp4.default, (x, None, -1)))
         calls.append((torch.ops.pt2e_fq.fake_quantize_nvfp4.default, (x, torch.tensor(0.01), 0)))
     return calls
