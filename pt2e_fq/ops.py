@@ -142,6 +142,9 @@ def _ste_grad_fake(grad, mask):
 
 
 def _save_mask(ctx, inputs, output):
+    # The mask output never gets a gradient; without this, autograd fills a
+    # zero tensor of its size for grad_mask on every backward.
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(output[1])
     # Outputs after the mask (block scales) are statistics of x, not a
     # function to differentiate: mark them so, rather than return a wrong 0.
@@ -149,6 +152,8 @@ def _save_mask(ctx, inputs, output):
 
 
 def _ste_backward(ctx, grad_y):
+    if grad_y is None:  # y did not reach the loss
+        return None
     (mask,) = ctx.saved_tensors
     return torch.ops.pt2e_fq.ste_grad(grad_y.contiguous(), mask)
 

@@ -49,11 +49,11 @@ struct Elem<ElemFormat::kE2M1> {
 };
 
 // 2^k for -126 <= k <= 127 (normal numbers), built from its bits.
-PT2E_FQ_HD float exp2_normal(int k) { return bits_float(static_cast<uint32_t>(k + 127) << 23); }
+PT2E_FQ_HD float exp2_normal(int k) { return f32_from_bits(static_cast<uint32_t>(k + 127) << 23); }
 
 // 2^k for -149 <= k <= 127, subnormals included (E8M0 reaches 2^-127).
 PT2E_FQ_HD float exp2_exact(int k) {
-  return k >= -126 ? exp2_normal(k) : bits_float(1u << (k + 149));
+  return k >= -126 ? exp2_normal(k) : f32_from_bits(1u << (k + 149));
 }
 
 // v rounded to the grid of format F, to nearest, ties to even, with the
@@ -67,7 +67,7 @@ PT2E_FQ_HD float round_to_elem(float v) {
   // subnormals (-127) and every |v| < 2^emin take the step of the format's
   // subnormals; beyond emax + 1 (up to 128 for Inf and NaN) any step would
   // do since the caller saturates, and the cap keeps 2^-step normal.
-  int e = static_cast<int>((float_bits(v) >> 23) & 0xFFu) - 127;
+  int e = static_cast<int>((f32_bits(v) >> 23) & 0xFFu) - 127;
   e = e < E::emin ? E::emin : (e > E::emax + 1 ? E::emax + 1 : e);
   const int step = e - E::mbits;
   // For |v| <= fmax both products are exact: v / 2^step lies in
@@ -96,10 +96,10 @@ PT2E_FQ_HD float fake_quantize_float_one(float x, float scale, bool& in_range) {
 // Block amax as integers: the bits of |v| order like the values, and every
 // NaN is above +Inf (0x7F800000), so max over abs_bits finds the amax and
 // tells whether the block holds a NaN, with integer max (vectorisable).
-PT2E_FQ_HD uint32_t abs_bits(float v) { return float_bits(v) & 0x7FFFFFFFu; }
+PT2E_FQ_HD uint32_t abs_bits(float v) { return f32_bits(v) & 0x7FFFFFFFu; }
 
 PT2E_FQ_HD float amax_from_bits(uint32_t max_abs_bits) {
-  return max_abs_bits > 0x7F800000u ? bits_float(0x7FC00000u) : bits_float(max_abs_bits);
+  return max_abs_bits > 0x7F800000u ? f32_from_bits(0x7FC00000u) : f32_from_bits(max_abs_bits);
 }
 
 // ---------------------------------------------------------------------------
@@ -112,7 +112,7 @@ PT2E_FQ_HD float amax_from_bits(uint32_t max_abs_bits) {
 template <ElemFormat F>
 PT2E_FQ_HD float mx_block_scale(float amax) {
   if (amax != amax) return amax;
-  const int field = static_cast<int>((float_bits(amax) >> 23) & 0xFFu);
+  const int field = static_cast<int>((f32_bits(amax) >> 23) & 0xFFu);
   // floor(log2(amax)) is field - 127 for a normal amax. Zero and fp32
   // subnormals (field 0) are below 2^-126, so they clamp to -127 as their
   // true floor(log2) would; Inf (field 255) clamps to 127.
