@@ -27,11 +27,14 @@ from .formats import (
 )
 from .granularity import PerBlock, PerChannel, PerGroup, PerTensor, PerToken
 from .observers import CurrentMinMaxObserver, MinMaxObserver, MovingAverageMinMaxObserver, MSEObserver
-from .ops import fake_quantize_affine
+from .ops import fake_quantize_affine, fake_quantize_float, fake_quantize_mx, fake_quantize_nvfp4
 from .qspec import Formulation, QSpec, Scheme
 
 __all__ = [
     "fake_quantize_affine",
+    "fake_quantize_float",
+    "fake_quantize_mx",
+    "fake_quantize_nvfp4",
     "ops",
     "QSpec",
     "Scheme",
