@@ -7,8 +7,10 @@ quantizer (w8a8); the same model prepared with the same annotations but
 torchao's stock `FakeQuantize` (default moving-average min-max observers,
 per-channel for the weights). Printed per flow: the median step time
 (zero_grad, forward, loss, backward, SGD step), its ratio to the float step,
-and the bytes of the distinct tensors autograd saves for backward
-(`torch.autograd.graph.saved_tensors_hooks`).
+the bytes of the distinct tensors autograd saves for backward
+(`torch.autograd.graph.saved_tensors_hooks`, parameters included), and of
+those the fake-quant masks: ours packed 1 bit per element (uint8), torch's
+fake-quant ops 1 byte (bool).
 
     python benchmarks/bench_qat.py [--steps N] [--threads N] [--quick]
 """
@@ -22,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torchao.quantization.pt2e as tao
-from bench_ops import saved_bytes  # benchmarks/ is on sys.path when this file runs
+from bench_ops import saved_bytes_by_dtype  # benchmarks/ is on sys.path when this file runs
 from tabulate import tabulate
 from torchao.quantization.pt2e.quantizer import QuantizationSpec
 
@@ -106,11 +108,11 @@ def measure(name, model, x, target, loss_fn, steps):
         pipeline.calibrate(prepared, [x], progress=False)  # qparams exist before the timed steps
         flows[flow] = prepared
     ms = step_times(flows, (x,), target, loss_fn, steps=steps)
-    saved = {flow: saved_bytes(lambda inp, m=m: loss_fn(m(inp), target), x) for flow, m in flows.items()}
     rows = []
-    for flow in flows:
-        rows.append([name, flow, f"{ms[flow]:.2f}", f"{ms[flow] / ms['float']:.2f}x",
-                     f"{saved[flow]:,}", f"{saved[flow] / saved['float']:.2f}x"])
+    for flow, m in flows.items():
+        saved = saved_bytes_by_dtype(lambda inp: loss_fn(m(inp), target), x)
+        total, masks = sum(saved.values()), saved.get(torch.bool, 0) + saved.get(torch.uint8, 0)
+        rows.append([name, flow, f"{ms[flow]:.2f}", f"{ms[flow] / ms['float']:.2f}x", f"{total:,}", f"{masks:,}"])
     return rows
 
 
@@ -127,8 +129,8 @@ def main():
     for case in cases():
         rows += measure(*case, steps=steps)
     print(f"QAT training step, {PRESET}, {torch.get_num_threads()} threads, median of {steps} steps")
-    print(tabulate(rows, headers=["model", "flow", "step ms", "vs float", "saved for backward, bytes", "vs float"],
-                   tablefmt="github"))
+    print(tabulate(rows, headers=["model", "flow", "step ms", "vs float", "saved for backward, bytes",
+                                  "of which masks (bool, uint8)"], tablefmt="github"))
 
 
 if __name__ == "__main__":
