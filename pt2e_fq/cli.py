@@ -43,18 +43,31 @@ def _int_at_least(minimum: int):
     return parse
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Fused fake quantization for the PT2E flow.")
-    parser.add_argument("--traceback", action="store_true", help="show the Python traceback of a failure")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--traceback", action="store_true", help="show the Python traceback of a failure")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    demo = commands.add_parser("demo", help="train, quantize (PTQ, QAT), export and check a CNN on the digits data")
+    demo = commands.add_parser("demo", parents=[common], help="train, quantize (PTQ, QAT), export and check a CNN on the digits data")
     demo.add_argument("--out", default="demo-out", help="folder for the demo's files (default: demo-out)")
-    demo.add_argument("--float-epochs", type=_int_at_least(1), default=8, metavar="N")
-    demo.add_argument("--qat-epochs", type=_int_at_least(1), default=3, metavar="N")
+    demo.add_argument("--float-epochs", type=_int_at_least(1), default=8, metavar="N",
+                      help="epochs of float training (default 8)")
+    demo.add_argument("--qat-epochs", type=_int_at_least(1), default=3, metavar="N",
+                      help="epochs of QAT (default 3)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bars")
 
-    quantize = commands.add_parser("quantize", help="quantize a model of yours and print the per-layer report")
+    quantize = commands.add_parser("quantize", parents=[common], help="quantize a model of yours and print the per-layer report")
     quantize.add_argument("--model", required=True, metavar="MODULE:FACTORY",
                           help="a callable returning the torch.nn.Module, e.g. mypkg.models:build "
                                "(the current folder is importable)")
@@ -70,12 +83,12 @@ def _parser() -> argparse.ArgumentParser:
                                "(default: the example input)")
     quantize.add_argument("--qat-steps", type=_int_at_least(0), default=0, metavar="N",
                           help="QAT steps after calibration, distilling the float model's outputs (default 0: PTQ)")
-    quantize.add_argument("--lr", type=float, default=1e-4, help="QAT learning rate (Adam; default 1e-4)")
+    quantize.add_argument("--lr", type=_positive_float, default=1e-4, help="QAT learning rate (Adam; default 1e-4)")
     quantize.add_argument("--out", metavar="FILE.pt2", help="save the quantized program (.pt2)")
     quantize.add_argument("--onnx", metavar="FILE.onnx", help="export to ONNX and check it in ONNX Runtime")
     quantize.add_argument("--no-progress", action="store_true", help="no progress bars")
 
-    report = commands.add_parser("report", help="print the per-layer table of a saved .pt2")
+    report = commands.add_parser("report", parents=[common], help="print the per-layer table of a saved .pt2")
     report.add_argument("path", metavar="FILE.pt2")
     return parser
 

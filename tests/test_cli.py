@@ -17,12 +17,13 @@ from pt2e_fq import cli
 TESTS = Path(__file__).parent
 
 
-def run_cli(*args, cwd=TESTS):
-    """`python -m pt2e_fq ARGS` in a fresh process, from the tests folder
-    (so --model cli_models:... imports)."""
+def run_cli(*args, script=False):
+    """`python -m pt2e_fq ARGS` (script: the installed `pt2e-fq` console
+    script) in a fresh process, from the tests folder (so --model
+    cli_models:... imports)."""
+    command = [str(Path(sys.executable).parent / "pt2e-fq")] if script else [sys.executable, "-m", "pt2e_fq"]
     env = dict(os.environ, PYTHONPATH="")
-    return subprocess.run([sys.executable, "-m", "pt2e_fq", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run([*command, *args], cwd=TESTS, env=env, capture_output=True, text=True, timeout=600)
 
 
 def _main(capsys, *args):
@@ -38,36 +39,29 @@ def _main(capsys, *args):
 QUANTIZE = ["quantize", "--model", "cli_models:tiny_mlp", "--example-input", "8x16", "--no-progress"]
 
 
-def test_console_script_is_installed():
-    script = Path(sys.executable).parent / "pt2e-fq"
-    result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0
-    assert "demo" in result.stdout and "quantize" in result.stdout and "report" in result.stdout
-
-
 @pytest.mark.parametrize(
-    "args, status, message",
+    "script, args, status, message",
     [
-        (["quantize", "--model", "cli_models:tiny_mlp", "--example-input", "8x16", "--preset", "w9"], 2,
+        (False, ["quantize", "--model", "cli_models:tiny_mlp", "--example-input", "8x16", "--preset", "w9"], 2,
          "pt2e-fq quantize: error: --preset: unknown preset 'w9'; allowed: w8a8, w4a8, w4a16, w8a16, fp8, mxfp8"),
-        (["quantize", "--model", "cli_models:tiny_mlp"], 2, "required: --example-input"),
-        (["quantize", "--model", "cli_models:broken", "--example-input", "8x16", "--preset", "w8a8"], 1,
+        (True, ["quantize", "--model", "cli_models:tiny_mlp"], 2, "required: --example-input"),
+        (False, ["quantize", "--model", "cli_models:broken", "--example-input", "8x16", "--preset", "w8a8"], 1,
          "pt2e-fq quantize: error: RuntimeError: boom: the factory failed"),
     ],
-    ids=["usage", "argparse", "failure"],
+    ids=["usage", "argparse-console-script", "failure"],
 )
-def test_errors_in_a_fresh_process_have_no_traceback(args, status, message):
-    result = run_cli(*args)
+def test_errors_in_a_fresh_process_have_no_traceback(script, args, status, message):
+    result = run_cli(*args, script=script)
     assert result.returncode == status
     assert message in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
 
 
-def test_traceback_flag_shows_the_traceback():
-    result = run_cli("--traceback", "quantize", "--model", "cli_models:broken", "--example-input", "8x16",
-                     "--preset", "w8a8")
-    assert result.returncode == 1
-    assert "Traceback" in result.stderr and "boom: the factory failed" in result.stderr
+def test_traceback_flag_shows_the_traceback(capsys):
+    rc, _, err = _main(capsys, "quantize", "--model", "cli_models:broken", "--example-input", "8x16",
+                       "--preset", "w8a8", "--traceback")
+    assert rc == 1
+    assert "Traceback" in err and "boom: the factory failed" in err
 
 
 def _write(path: Path, text: str) -> str:
@@ -113,6 +107,7 @@ def test_quantize_argument_errors(capsys, args, message):
         (["--qat-steps", "-1", "--preset", "w8a8"], "argument --qat-steps: expected an integer >= 0, got '-1'"),
         (["--qat-steps", "ten", "--preset", "w8a8"], "argument --qat-steps: expected an integer >= 0, got 'ten'"),
         ([], "one of the arguments --preset --config is required"),
+        (["--preset", "w8a8", "--lr", "-0.1"], "argument --lr: expected a finite number > 0, got '-0.1'"),
     ],
 )
 def test_quantize_argparse_errors(capsys, args, message):
@@ -169,9 +164,10 @@ def test_quantize_two_inputs_with_calibration_batches_and_qat(capsys, tmp_path):
 
 
 def test_demo_end_to_end(tmp_path):
-    """The demo with one QAT epoch: a float CNN that learns the digits, PTQ
-    w8a8 and QAT w4a8 close to it, the table and its files."""
-    result = run_cli("demo", "--out", str(tmp_path), "--qat-epochs", "1", "--no-progress")
+    """The demo, shorter (3 float epochs, 1 QAT epoch): a float CNN that
+    learns the digits, PTQ w8a8 and QAT w4a8 close to it, the table and its
+    files."""
+    result = run_cli("demo", "--out", str(tmp_path), "--float-epochs", "3", "--qat-epochs", "1", "--no-progress")
     assert result.returncode == 0, result.stderr
     rows = {r["model"]: r for r in json.loads((tmp_path / "results.json").read_text())["rows"]}
     float_accuracy = rows["float"]["accuracy"]
