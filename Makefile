@@ -14,7 +14,7 @@ NVCC ?= nvcc
 CUDA_HOME ?= /usr/local/cuda
 CUDA_ARCHS ?= 80 90
 
-.PHONY: setup test bench bench-float demo cuda-check clean
+.PHONY: setup test bench demo cuda-check clean
 
 setup: $(STAMP)
 
@@ -31,9 +31,6 @@ test: $(STAMP)
 # Every benchmark script, one after the other (each prints its tables).
 bench: $(STAMP)
 	@for f in benchmarks/bench_*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
-
-bench-float: $(STAMP)
-	$(PY) benchmarks/bench_float.py
 
 # Trains a CNN on scikit-learn's digits, quantizes it (PTQ w8a8, QAT w4a8),
 # exports it and prints the table; files under $(DEMO_OUT).
