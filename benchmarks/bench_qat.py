@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
+from pathlib import Path
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 import torchao.quantization.pt2e as tao
 from bench_ops import saved_bytes_by_dtype  # benchmarks/ is on sys.path when this file runs
@@ -31,6 +32,9 @@ from torchao.quantization.pt2e.quantizer import QuantizationSpec
 from pt2e_fq import digits, pipeline
 from pt2e_fq.step_time import step_times
 from quantizers import FakeQuantQuantizer, presets
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from quantizer_models import EncoderBlock  # noqa: E402  (the quantizer tests' transformer block)
 
 PRESET = "w8a8"  # what torchao's stock FakeQuantize can express (no int4, no groups)
 
@@ -61,35 +65,6 @@ def _stock(spec):
     return dataclasses.replace(spec, observer_or_fake_quant_ctr=tao.FakeQuantize.with_args(observer=observer))
 
 
-class Attention(nn.Module):
-    def __init__(self, d, heads):
-        super().__init__()
-        self.heads = heads
-        self.q, self.k, self.v, self.out = (nn.Linear(d, d) for _ in range(4))
-
-    def forward(self, x):
-        b, t, d = x.shape
-        split = lambda y: y.view(b, t, self.heads, d // self.heads).transpose(1, 2)  # noqa: E731
-        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
-        scores = torch.softmax(torch.matmul(q, k.transpose(-2, -1)) * (d // self.heads) ** -0.5, dim=-1)
-        return self.out(torch.matmul(scores, v).transpose(1, 2).reshape(b, t, d))
-
-
-class TransformerBlock(nn.Module):
-    """Pre-norm encoder block: attention (four linears, two matmuls),
-    layer norms, a GELU MLP, two residual adds."""
-
-    def __init__(self, d=256, heads=4, hidden=1024):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.attn = Attention(d, heads)
-        self.mlp = nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, d))
-
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
 def cases():
     """(name, model, input, target, loss)."""
     g = torch.Generator().manual_seed(0)
@@ -97,7 +72,8 @@ def cases():
     data = digits.load()
     yield ("demo CNN (digits, batch 64)", digits.DigitsCNN(), data.x_train[:64], data.y_train[:64], F.cross_entropy)
     x = torch.randn(16, 64, 256, generator=g)
-    yield ("transformer block (16x64x256)", TransformerBlock(), x, torch.randn(16, 64, 256, generator=g), F.mse_loss)
+    block = EncoderBlock(d=256, heads=4, hidden=1024)  # pre-norm: attention, layer norms, GELU MLP, residuals
+    yield ("transformer block (16x64x256)", block, x, torch.randn(16, 64, 256, generator=g), F.mse_loss)
 
 
 def measure(name, model, x, target, loss_fn, steps):
