@@ -29,8 +29,13 @@ from .granularity import PerBlock, PerChannel, PerGroup, PerTensor, PerToken
 from .observers import CurrentMinMaxObserver, MinMaxObserver, MovingAverageMinMaxObserver, MSEObserver
 from .ops import fake_quantize_affine
 from .qspec import Formulation, QSpec, Scheme
+from . import export  # pt2e_fq.export: .pt2 and ONNX export, conv-bn folding
+from .export import load, save
 
 __all__ = [
+    "save",
+    "load",
+    "export",
     "fake_quantize_affine",
     "ops",
     "QSpec",
