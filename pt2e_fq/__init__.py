@@ -31,10 +31,12 @@ from .ops import fake_quantize_affine
 from .qspec import Formulation, QSpec, Scheme
 from . import export  # pt2e_fq.export: .pt2 and ONNX export, conv-bn folding
 from .export import load, save
+from .report import report
 
 __all__ = [
     "save",
     "load",
+    "report",
     "export",
     "fake_quantize_affine",
     "ops",
