@@ -142,10 +142,15 @@ def _ste_grad_fake(grad, mask):
 
 
 def _save_mask(ctx, inputs, output):
+    # The mask output never gets a gradient; without this, autograd fills a
+    # zero tensor of its size for grad_mask on every backward.
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(output[1])
 
 
 def _ste_backward(ctx, grad_y, grad_mask):
+    if grad_y is None:  # y did not reach the loss
+        return None
     (mask,) = ctx.saved_tensors
     return torch.ops.pt2e_fq.ste_grad(grad_y.contiguous(), mask)
 

@@ -27,7 +27,7 @@ constexpr int64_t kChunk = 4096;
 
 inline float load_f32(float v) { return v; }
 inline float load_f32(c10::BFloat16 v) { return bf16_bits_to_float(v.x); }
-inline float load_f32(c10::Half v) { return static_cast<float>(v); }
+inline float load_f32(c10::Half v) { return half_bits_to_float(v.x); }
 
 template <typename T>
 inline T store_as(float v);
@@ -38,7 +38,9 @@ inline c10::BFloat16 store_as<c10::BFloat16>(float v) {
   return c10::BFloat16(float_to_bf16_bits(v), c10::BFloat16::from_bits());
 }
 template <>
-inline c10::Half store_as<c10::Half>(float v) { return c10::Half(v); }
+inline c10::Half store_as<c10::Half>(float v) {
+  return c10::Half(float_to_half_bits(v), c10::Half::from_bits());
+}
 
 // Packs n 0/1 bytes into ceil(n / 8) bytes, least significant bit first.
 PT2E_FQ_CLONES inline void pack_bits(const uint8_t* flags, int64_t n, uint8_t* out) {

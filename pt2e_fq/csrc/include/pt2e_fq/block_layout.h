@@ -29,8 +29,11 @@ struct BlockLayout {
 inline bool make_block_layout(const int64_t* shape, const int64_t* block, int ndim,
                               BlockLayout& out) {
   BlockLayout L;
-  for (int d = 0; d < ndim; ++d) {
-    L.numel *= shape[d];
+  for (int d = 0; d < ndim; ++d) L.numel *= shape[d];
+  for (int d = 0; d < ndim && L.numel > 0; ++d) {
+    // An empty x keeps no dimension: a size-0 one would give a block of 0
+    // below, and the kernels divide by blocks. It has no blocks either
+    // (ceil(0 / block) = 0), which the fallback layout below also says.
     if (shape[d] == 1) continue;
     const int64_t b = block[d] < shape[d] ? block[d] : shape[d];
     if (L.ndim > 0) {
@@ -53,7 +56,7 @@ inline bool make_block_layout(const int64_t* shape, const int64_t* block, int nd
     L.block[L.ndim] = b;
     ++L.ndim;
   }
-  if (L.ndim == 0) {  // a single element, or every dimension of size 1
+  if (L.ndim == 0) {  // a single element, every dimension of size 1, or empty
     L.ndim = 1;
     L.size[0] = L.numel;
     L.block[0] = L.numel > 0 ? L.numel : 1;

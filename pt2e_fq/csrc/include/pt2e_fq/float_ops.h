@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 
 #if defined(__CUDACC__)
@@ -62,6 +63,53 @@ PT2E_FQ_HD float round_half_even(float v) {
 // Clamp that lets NaN through (fminf/fmaxf would turn NaN into a limit).
 PT2E_FQ_HD float clamp_keep_nan(float v, float lo, float hi) {
   return v < lo ? lo : (v > hi ? hi : v);
+}
+
+PT2E_FQ_HD uint32_t f32_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
+PT2E_FQ_HD float f32_from_bits(uint32_t u) {
+  float f;
+  memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// IEEE half <-> fp32 with bit masks instead of branches, so the host compiler
+// vectorises them; results equal c10::Half's (round to nearest even, NaN
+// becomes 0x7E00 with the sign kept).
+PT2E_FQ_HD float half_bits_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1Fu;
+  const uint32_t mant = h & 0x3FFu;
+  const uint32_t normal = ((exp + 112u) << 23) | (mant << 13);  // rebias 15 -> 127
+  const uint32_t inf_nan = 0x7F800000u | (mant << 13);
+  const uint32_t subnormal = f32_bits(static_cast<float>(mant) * 5.9604644775390625e-8f);  // mant * 2^-24
+  const uint32_t is_inf_nan = 0u - static_cast<uint32_t>(exp == 31);  // all ones or zero
+  const uint32_t is_subnormal = 0u - static_cast<uint32_t>(exp == 0);
+  uint32_t bits = (normal & ~is_inf_nan) | (inf_nan & is_inf_nan);
+  bits = (bits & ~is_subnormal) | (subnormal & is_subnormal);
+  return f32_from_bits(bits | sign);
+}
+
+PT2E_FQ_HD uint16_t float_to_half_bits(float f) {
+  const uint32_t w = f32_bits(f);
+  const uint32_t twice = w + w;  // drops the sign
+  const uint32_t sign = w & 0x80000000u;
+  // Scaling up by 2^112 and back by 2^-110 overflows what exceeds the half
+  // range to Inf and leaves the rest; adding 2^(e+1) style bias then makes
+  // the fp32 adder round the mantissa to half precision (nearest even),
+  // subnormals included.
+  float base = (fabsf(f) * 5.192296858534828e+33f) * 7.703719777548943e-34f;
+  uint32_t bias = twice & 0xFF000000u;
+  bias = bias > 0x71000000u ? bias : 0x71000000u;
+  base = f32_from_bits((bias >> 1) + 0x07800000u) + base;
+  const uint32_t bits = f32_bits(base);
+  const uint32_t nonsign = ((bits >> 13) & 0x7C00u) + (bits & 0x0FFFu);
+  const uint32_t is_nan = 0u - static_cast<uint32_t>(twice > 0xFF000000u);
+  return static_cast<uint16_t>((sign >> 16) | (0x7E00u & is_nan) | (nonsign & ~is_nan));
 }
 
 // bfloat16 <-> fp32 by bit manipulation, identical to c10::BFloat16

@@ -1,0 +1,184 @@
+"""Shared helpers for the op tests: the op and the reference side by side,
+NaN-aware bit-exact comparison, and Hypothesis strategies for op arguments.
+
+Every expected value comes from `pt2e_fq.reference` (pure torch, independent
+of the kernels), from ATen, or from hand-computed numbers in the test itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import pytest
+import torch
+from hypothesis import strategies as st
+
+import pt2e_fq  # noqa: F401  (registers torch.ops.pt2e_fq)
+from pt2e_fq import ops, reference
+from pt2e_fq.blocks import reduced_shape
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+# (name, quant_min, quant_max): int2..int8, unsigned, int16.
+QUANT_RANGES = (
+    [(f"int{b}", -(2 ** (b - 1)), 2 ** (b - 1) - 1) for b in range(2, 9)]
+    + [("uint4", 0, 15), ("uint8", 0, 255), ("int16", -(2**15), 2**15 - 1)]
+)
+
+
+def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Same dtype, shape and bits, except that any NaN equals any NaN."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    nan = expected.isnan()
+    assert torch.equal(actual.isnan(), nan), "NaN positions differ"
+    a, e = actual[~nan], expected[~nan]
+    if a.dtype.is_floating_point:
+        a, e = a.view(_INT_VIEW[a.dtype]), e.view(_INT_VIEW[e.dtype])
+    diff = (a != e).nonzero()
+    assert diff.numel() == 0, (
+        f"{diff.shape[0]} of {a.numel()} elements differ, first at {diff[0].tolist()}: "
+        f"{actual[~nan][diff[0]].tolist()} != {expected[~nan][diff[0]].tolist()}"
+    )
+
+
+@dataclass
+class AffineCase:
+    """The arguments of one fake_quantize_affine call."""
+
+    x: torch.Tensor
+    block_size: list[int]
+    scale: torch.Tensor
+    zero_point: Optional[torch.Tensor]
+    quant_min: int
+    quant_max: int
+    minval: Optional[torch.Tensor] = None
+
+    def args(self):
+        return (self.x, self.block_size, self.scale, self.zero_point, self.quant_min, self.quant_max)
+
+    def op(self):
+        """(y, packed mask) from the op under test."""
+        return ops.fake_quantize_affine_with_mask(*self.args(), minval=self.minval)
+
+    def to(self, device) -> "AffineCase":
+        """The same case with every tensor on `device`."""
+        tensors = {k: getattr(self, k) for k in ("x", "scale", "zero_point", "minval")}
+        return replace(self, **{k: t.to(device) for k, t in tensors.items() if t is not None})
+
+    def ref(self):
+        """(y, bool mask, packed mask) from the reference."""
+        y, mask = reference.fake_quantize_affine(*self.args(), minval=self.minval)
+        return y, mask, reference.pack_mask(mask)
+
+
+def make_case(
+    shape,
+    block_size,
+    dtype=torch.float32,
+    qrange=(-128, 127),
+    *,
+    zp: str = "random",  # "random", "none" or "minval"
+    seed: int = 0,
+) -> AffineCase:
+    """A case with x spread over the in-range and the clamped region."""
+    g = torch.Generator().manual_seed(seed)
+    qmin, qmax = qrange
+    rshape = reduced_shape(shape, block_size)
+    scale = torch.rand(rshape, generator=g) * 0.5 + 0.01
+    zero_point = minval = None
+    if zp == "random":
+        zero_point = torch.randint(qmin, qmax + 1, rshape, generator=g, dtype=torch.int32)
+    elif zp == "minval":
+        minval = torch.randn(rshape, generator=g) * 4
+    spread = float(scale.max()) * (qmax - qmin) * 0.7 if scale.numel() else 1.0
+    x = (torch.randn(shape, generator=g) * spread).to(dtype)
+    return AffineCase(x, list(block_size), scale, zero_point, qmin, qmax, minval)
+
+
+# ---------------------------------------------------------------------------
+# Hypothesis strategies
+
+_dim = st.one_of(st.integers(1, 5), st.integers(6, 70), st.integers(71, 5000))
+
+
+@st.composite
+def shapes_and_blocks(draw, max_dims: int = 4, max_numel: int = 40_000):
+    """A shape of 1..max_dims dimensions (size-1 ones included) and a block
+    size per dimension: full, 1, ragged, or larger than the dimension."""
+    shape, numel = [], 1
+    for _ in range(draw(st.integers(1, max_dims))):
+        size = min(draw(_dim), max(1, max_numel // numel))
+        shape.append(size)
+        numel *= size
+    blocks = [draw(st.sampled_from([s, 1, max(1, s // 2), max(1, (s + 2) // 3), s + 3])) for s in shape]
+    return shape, blocks
+
+
+def layouts():
+    """How x is laid out in memory: contiguous, permuted or strided."""
+    return st.sampled_from(["contiguous", "permuted", "strided"])
+
+
+def with_layout(x: torch.Tensor, layout: str, perm_seed: int = 0) -> torch.Tensor:
+    """x's values in a tensor with the given memory layout."""
+    if layout == "contiguous" or x.dim() == 0:
+        return x.contiguous()
+    if layout == "strided":
+        wide = list(x.shape[:-1]) + [2 * x.shape[-1]]
+        return x.new_empty(wide)[..., ::2].copy_(x)
+    perm = torch.randperm(x.dim(), generator=torch.Generator().manual_seed(perm_seed)).tolist()
+    if perm == sorted(perm):
+        perm = perm[::-1]
+    inverse = [perm.index(d) for d in range(x.dim())]
+    return x.new_empty([x.shape[p] for p in perm]).permute(inverse).copy_(x)
+
+
+@st.composite
+def affine_cases(draw, max_numel: int = 40_000) -> AffineCase:
+    """Random op arguments: shapes, blocks, layouts, bit widths, formulations,
+    qparam dtypes and x dtypes, with exact ties and NaN/Inf sprinkled in."""
+    shape, block_size = draw(shapes_and_blocks(max_numel=max_numel))
+    _, qmin, qmax = draw(st.sampled_from(QUANT_RANGES))
+    dtype = draw(st.sampled_from(FLOAT_DTYPES))
+    formulation = draw(st.sampled_from(["zp", "none", "minval"]))
+    seed = draw(st.integers(0, 2**32 - 1))
+    g = torch.Generator().manual_seed(seed)
+
+    rshape = reduced_shape(shape, block_size)
+    scale_dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]))
+    scale = torch.exp2(torch.rand(rshape, generator=g) * 14 - 10).to(scale_dtype)  # 2^-10 .. 2^4
+    s = reference.expand_blocks(scale.float(), shape, block_size)
+    width = qmax - qmin
+    zero_point = minval = None
+    if formulation == "zp":
+        zp_dtype = draw(st.sampled_from([torch.int32, torch.int64]))
+        zero_point = torch.randint(qmin, qmax + 1, rshape, generator=g, dtype=zp_dtype)
+    elif formulation == "minval":
+        minval = torch.randn(rshape, generator=g) * scale.float() * width
+        minval = minval.to(draw(st.sampled_from([torch.float32, torch.float64])))
+
+    # x is centred on the grid's middle and spans it and beyond on both sides.
+    if minval is not None:
+        offset = reference.expand_blocks(minval.float(), shape, block_size)
+        centre = offset + s * (width / 2)
+    else:
+        zp = 0 if zero_point is None else reference.expand_blocks(zero_point.float(), shape, block_size)
+        offset = 0.0
+        centre = s * ((qmin + qmax) / 2 - zp)
+    x = centre + torch.randn(shape, generator=g) * s * (width * 0.6)
+    if draw(st.booleans()):  # exact ties (x - offset) / scale = k + 0.5 wherever representable
+        k = torch.randint(-width - 3, width + 3, shape, generator=g).float()
+        x = torch.where(torch.rand(shape, generator=g) < 0.3, (k + 0.5) * s + offset, x)
+    if draw(st.booleans()):
+        special = torch.tensor([float("nan"), float("inf"), -float("inf")])
+        pick = torch.randint(0, 3, shape, generator=g)
+        x = torch.where(torch.rand(shape, generator=g) < 0.05, special[pick], x)
+    x = with_layout(x.to(dtype), draw(layouts()), seed)
+    return AffineCase(x, block_size, scale, zero_point, qmin, qmax, minval)
+
+
+@pytest.fixture(params=FLOAT_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def dtype(request):
+    return request.param

@@ -1,0 +1,85 @@
+"""Backward of fake_quantize_affine: a straight-through estimator through the
+bit-packed clamp mask, which is all the autograd node saves."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+from conftest import affine_cases, assert_bits_equal, make_case, with_layout
+from pt2e_fq import ops, reference
+
+
+def grad_of(case, dy):
+    x = case.x.detach().requires_grad_()
+    y = ops.fake_quantize_affine(x, *case.args()[1:], minval=case.minval)
+    y.backward(dy)
+    return x.grad
+
+
+@settings(max_examples=100, deadline=None)
+@given(affine_cases(max_numel=5000))
+def test_grad_is_dy_where_in_range(case):
+    dy = torch.randn(case.x.shape).to(case.x.dtype)
+    _, mask, _ = case.ref()
+    assert_bits_equal(grad_of(case, dy), torch.where(mask, dy, torch.zeros_like(dy)))
+
+
+def test_nan_in_dy_at_clamped_positions_gives_zero(dtype):
+    # A select, not a multiply: 0 * NaN would be NaN.
+    case = make_case((4, 33), (1, 33), dtype, (-8, 7))
+    _, mask, _ = case.ref()
+    assert mask.any() and not mask.all()
+    dy = torch.full(case.x.shape, float("nan"), dtype=dtype)
+    dx = grad_of(case, dy)
+    assert torch.equal(dx.isnan(), mask)
+    assert (dx[~mask] == 0).all()
+
+
+def test_grad_of_non_contiguous_dy(dtype):
+    case = make_case((9, 20), (3, 20), dtype)
+    _, mask, _ = case.ref()
+    dy = with_layout(torch.randn(9, 20).to(dtype), "permuted")
+    assert not dy.is_contiguous()
+    assert_bits_equal(grad_of(case, dy), torch.where(mask, dy, torch.zeros_like(dy)))
+
+
+def saved_tensors(fn):
+    """The tensors autograd saves for backward while fn runs."""
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return saved
+
+
+@pytest.mark.parametrize("shape", [(1,), (7,), (8,), (9,), (5, 13), (64, 3, 5), (0, 3)])
+def test_saves_only_the_packed_mask(shape, dtype):
+    case = make_case(shape, [1] * len(shape), dtype)
+    x = case.x.requires_grad_()
+    saved = saved_tensors(lambda: ops.fake_quantize_affine(*case.args(), minval=case.minval))
+    assert len(saved) == 1
+    (mask,) = saved
+    assert mask.dtype == torch.uint8
+    assert mask.numel() * mask.element_size() == (x.numel() + 7) // 8
+    assert torch.equal(mask, case.ref()[2])
+
+
+@pytest.mark.parametrize("shape", [(0,), (1,), (2, 0, 3)])
+def test_backward_of_empty_and_single_element(shape, dtype):
+    case = make_case(shape, [1] * len(shape), dtype)
+    dy = torch.ones(shape, dtype=dtype)
+    _, mask, _ = case.ref()
+    assert_bits_equal(grad_of(case, dy), torch.where(mask, dy, torch.zeros_like(dy)))
+
+
+def test_ste_grad_op_against_unpacked_mask(dtype):
+    g = torch.Generator().manual_seed(0)
+    for numel in (0, 1, 8, 13, 4096 * 3 + 5):
+        mask = torch.rand(numel, generator=g) < 0.5
+        grad = torch.randn(numel, generator=g).to(dtype)
+        dx = torch.ops.pt2e_fq.ste_grad(grad, reference.pack_mask(mask))
+        assert_bits_equal(dx, torch.where(mask, grad, torch.zeros_like(grad)))
