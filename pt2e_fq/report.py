@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 from tabulate import tabulate
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from .fake_quantize import FakeQuantize
 from .formats import FloatFormat, IntFormat
@@ -41,6 +42,26 @@ class _OpCalls(TorchDispatchMode):
         if self.current is not None and func.namespace == "pt2e_fq":
             self.calls[self.current] = (func, args, out)
         return out
+
+
+class _Run(torch.fx.Interpreter):
+    """Runs the graph node by node, telling `calls` which point runs (a
+    module shared by several points runs once per node) and keeping each
+    point's input."""
+
+    def __init__(self, gm, points: set, calls: _OpCalls):
+        super().__init__(gm)
+        self.points, self.calls, self.inputs = points, calls, {}
+
+    def call_module(self, target, args, kwargs):
+        if target not in self.points:
+            return super().call_module(target, args, kwargs)
+        self.inputs[target] = args[0]
+        self.calls.current = target
+        try:
+            return super().call_module(target, args, kwargs)
+        finally:
+            self.calls.current = None
 
 
 def _qparams(func, args) -> dict[str, Optional[torch.Tensor]]:
@@ -162,24 +183,11 @@ def report(model: torch.fx.GraphModule, example_inputs, *, file=sys.stdout) -> R
     model = copy.deepcopy(model)  # the run must not touch the user's model (BN statistics, observers)
     nodes = [n for n in model.graph.nodes if n.op == "call_module" and isinstance(model.get_submodule(n.target), FakeQuantize)]
     calls = _OpCalls()
-    captured_inputs: dict[str, torch.Tensor] = {}
-
-    def before(name):
-        def hook(module, inputs):
-            calls.current = name
-            captured_inputs[name] = inputs[0].detach()
-        return hook
-
-    def after(module, inputs, output):
-        calls.current = None
-
     for node in nodes:
-        m = model.get_submodule(node.target)
-        m.disable_observer()
-        m.register_forward_pre_hook(before(node.target))
-        m.register_forward_hook(after)
+        model.get_submodule(node.target).disable_observer()
+    run = _Run(model, {n.target for n in nodes}, calls)
     with torch.no_grad(), calls:
-        model(*args)
+        run.run(*tree_leaves(args))
 
     result = Report(float_weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()))
     result.quantized_weight_bytes = float(result.float_weight_bytes)
@@ -190,7 +198,7 @@ def report(model: torch.fx.GraphModule, example_inputs, *, file=sys.stdout) -> R
         row = dict(point=name, module=module_path, role=point_role, format=_format(spec),
                    granularity=repr(spec.granularity) + (" dynamic" if spec.dynamic else ""),
                    scale=None, zero_point=None, minval=None, clipped=None, sqnr_db=None)
-        x = captured_inputs.get(name)
+        x = run.inputs.get(name)
         if name in calls.calls and x is not None:
             func, op_args, out = calls.calls[name]
             y, packed = out[0], out[1]
