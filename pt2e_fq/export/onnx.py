@@ -139,6 +139,15 @@ def output_steps(path) -> list[Optional[float]]:
     return steps
 
 
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    if t.dtype == torch.bfloat16:
+        raise TypeError(
+            "check_onnx: ONNX Runtime's Python API exchanges no bfloat16 arrays (numpy has no bfloat16); "
+            "check the model in float32 or float16"
+        )
+    return t.detach().cpu().numpy()
+
+
 def check_onnx(path: Union[str, os.PathLike], model, inputs, *, atol: Optional[float] = None) -> OnnxCheck:
     """Runs the ONNX file in ONNX Runtime (CPU) on `inputs` and compares it
     with `model(*inputs)` (a torch.nn.Module or an ExportedProgram):
@@ -155,13 +164,13 @@ def check_onnx(path: Union[str, os.PathLike], model, inputs, *, atol: Optional[f
     args = as_args(inputs)
     runnable = model.module() if isinstance(model, torch.export.ExportedProgram) else model
     with torch.no_grad():
-        expected = [t.detach().cpu().numpy() for t in tree_leaves(runnable(*args))]
-    feeds_values = [a.detach().cpu().numpy() for a in tree_leaves(args)]
+        expected = [_numpy(t) for t in tree_leaves(runnable(*args))]
+    feeds_values = [_numpy(a) for a in tree_leaves(args)]
     steps = output_steps(path) if atol is None else [atol] * len(expected)
     if any(s is None for s in steps):
         raise ValueError(
-            "check_onnx: an output is not produced by a DequantizeLinear, so it has no quantization step; "
-            "pass atol= for the optimised comparison"
+            "check_onnx: an output has no constant quantization step (it is not produced by a "
+            "DequantizeLinear with a constant scale); pass atol= for the optimised comparison"
         )
     diffs = {}
     for optimized in (False, True):
