@@ -56,7 +56,7 @@ class _Run(torch.fx.Interpreter):
     def call_module(self, target, args, kwargs):
         if target not in self.points:
             return super().call_module(target, args, kwargs)
-        self.inputs[target] = args[0]
+        self.inputs[target] = args[0].detach()
         self.calls.current = target
         try:
             return super().call_module(target, args, kwargs)

@@ -142,11 +142,11 @@ def fold_conv_bn(gm: torch.fx.GraphModule) -> int:
             b_fold = (b - mean) * (gamma / torch.sqrt(var + eps)) + beta
         _set_param(gm, weight.target, w_fold)
         scaled.replace_all_uses_with(weight)
+        bias_target = bias.target if bias is not None else f"{weight.target}_folded_bias"
+        _set_param(gm, bias_target, b_fold)
         if bias is None:
-            bias_target = f"{weight.target}_folded_bias"
             with gm.graph.inserting_before(conv):
                 bias = gm.graph.get_attr(bias_target)
-        _set_param(gm, bias.target, b_fold)
         conv.args = (conv.args[0], conv.args[1], bias) + tuple(conv.args[3:])
         bn.replace_all_uses_with(conv)
         folded += 1

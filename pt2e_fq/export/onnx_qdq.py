@@ -46,17 +46,6 @@ from onnxscript import opset21 as op
 from ..blocks import reduced_shape
 from ..reference import expand_blocks
 
-# ONNX integer types a QuantizeLinear can produce in opset 21, narrowest first.
-_INT_TYPES = (
-    (ir.DataType.INT4, ml_dtypes.int4, -8, 7),
-    (ir.DataType.UINT4, ml_dtypes.uint4, 0, 15),
-    (ir.DataType.INT8, np.int8, -128, 127),
-    (ir.DataType.UINT8, np.uint8, 0, 255),
-    (ir.DataType.INT16, np.int16, -(2**15), 2**15 - 1),
-    (ir.DataType.UINT16, np.uint16, 0, 2**16 - 1),
-)
-_CLIP_TYPES = (ir.DataType.INT8, ir.DataType.UINT8)  # integer Clip that ONNX Runtime runs
-
 
 @dataclass(frozen=True)
 class IntType:
@@ -66,11 +55,24 @@ class IntType:
     max: int
 
 
+# ONNX integer types a QuantizeLinear can produce in opset 21, narrowest first.
+_INT_TYPES = (
+    IntType(ir.DataType.INT4, ml_dtypes.int4, -8, 7),
+    IntType(ir.DataType.UINT4, ml_dtypes.uint4, 0, 15),
+    IntType(ir.DataType.INT8, np.int8, -128, 127),
+    IntType(ir.DataType.UINT8, np.uint8, 0, 255),
+    IntType(ir.DataType.INT16, np.int16, -(2**15), 2**15 - 1),
+    IntType(ir.DataType.UINT16, np.uint16, 0, 2**16 - 1),
+)
+_INT8 = _INT_TYPES[2]
+_CLIP_TYPES = (ir.DataType.INT8, ir.DataType.UINT8)  # integer Clip that ONNX Runtime runs
+
+
 def int_type(quant_min: int, quant_max: int) -> IntType:
     """The narrowest ONNX integer type that holds [quant_min, quant_max]."""
     for t in _INT_TYPES:
-        if t[2] <= quant_min and quant_max <= t[3]:
-            return IntType(*t)
+        if t.min <= quant_min and quant_max <= t.max:
+            return t
     raise ValueError(f"to_onnx: no ONNX integer type holds [{quant_min}, {quant_max}]")
 
 
@@ -90,9 +92,6 @@ class Layout:
         if self.kind == "axis":
             return {"axis": self.axis}
         return {"axis": self.axis, "block_size": self.block}
-
-
-_INT8 = IntType(*_INT_TYPES[2])
 
 
 def _static(dim) -> Optional[int]:
