@@ -1,0 +1,239 @@
+"""QuantizerConfig: which op config applies to which op.
+
+An OpConfig holds the QSpecs of one op's tensors (input activations, weight,
+bias, output activation; None leaves that tensor in float). A QuantizerConfig
+holds a global OpConfig and overrides by op type, by module type and by
+module name (exact, or a regular expression that must match the whole
+name). The most specific wins: module name > module type > op type > global,
+and among modules the innermost one that has an entry. An entry of None
+leaves the op in float.
+
+It round-trips through dicts, YAML and JSON files:
+
+    global: {input_activation: {...qspec...}, weight: {...}, bias: null, output_activation: {...}}
+    operator_type: {conv2d: {...op config...}}
+    module_type: {torch.nn.Linear: null}
+    module_name: {head: null}
+    module_name_regex: {'blocks\\.\\d+\\.attn\\..*': {...}}
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import torch
+
+from pt2e_fq import QSpec
+
+from .patterns import OP_TYPES
+from .qspec_dict import ConfigError, check_keys, qspec_from_dict, qspec_to_dict
+
+OP_CONFIG_KEYS = ("input_activation", "weight", "bias", "output_activation")
+CONFIG_KEYS = ("global", "operator_type", "module_type", "module_name", "module_name_regex")
+FILE_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+@dataclass(frozen=True)
+class OpConfig:
+    """The QSpecs of one op's tensors; None leaves that tensor in float."""
+
+    input_activation: Optional[QSpec] = None
+    weight: Optional[QSpec] = None
+    bias: Optional[QSpec] = None
+    output_activation: Optional[QSpec] = None
+
+    def __post_init__(self):
+        for name in OP_CONFIG_KEYS:
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, QSpec):
+                raise TypeError(f"OpConfig: {name} must be a pt2e_fq.QSpec or None, got {type(value).__name__}")
+
+    def to_dict(self) -> dict:
+        return {k: None if getattr(self, k) is None else qspec_to_dict(getattr(self, k)) for k in OP_CONFIG_KEYS}
+
+    @classmethod
+    def from_dict(cls, d, where: str = "op config") -> "OpConfig":
+        check_keys(where, d, OP_CONFIG_KEYS)
+        return cls(**{k: None if v is None else qspec_from_dict(f"{where}.{k}", v) for k, v in d.items()})
+
+
+def _op_config_or_none(where: str, value) -> Optional[OpConfig]:
+    if value is not None and not isinstance(value, OpConfig):
+        raise TypeError(f"{where}: expected an OpConfig or None (leave in float), got {type(value).__name__}")
+    return value
+
+
+def module_type_name(cls: type) -> str:
+    """How the exported graph's nn_module_stack names a module class."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _short_type_name(cls: type) -> str:
+    """torch.nn.Linear rather than torch.nn.modules.linear.Linear, where it is the same class."""
+    return f"torch.nn.{cls.__name__}" if getattr(torch.nn, cls.__name__, None) is cls else module_type_name(cls)
+
+
+def _import_module_type(where: str, name: str) -> type:
+    module, _, attr = name.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), attr) if module else None
+    except (ImportError, AttributeError):
+        cls = None
+    if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+        raise ConfigError(
+            f"{where}: {name!r} is not an importable torch.nn.Module subclass; write its dotted path, "
+            "e.g. torch.nn.Linear or mypackage.models.Block"
+        )
+    return cls
+
+
+@dataclass
+class Resolution:
+    """The op config chosen for an op and the rule that chose it."""
+
+    config: Optional[OpConfig]
+    rule: str
+
+
+class QuantizerConfig:
+    """Global, op-type, module-type and module-name op configs; see the module doc."""
+
+    def __init__(self, global_config: Optional[OpConfig] = None):
+        self.global_config = _op_config_or_none("QuantizerConfig", global_config)
+        self.operator_type: dict[str, Optional[OpConfig]] = {}
+        self.module_type: dict[type, Optional[OpConfig]] = {}
+        self.module_name: dict[str, Optional[OpConfig]] = {}
+        self.module_name_regex: dict[str, Optional[OpConfig]] = {}
+
+    # -- fluent setters -------------------------------------------------------
+
+    def set_global(self, config: Optional[OpConfig]) -> "QuantizerConfig":
+        self.global_config = _op_config_or_none("set_global", config)
+        return self
+
+    def set_operator_type(self, op_type: str, config: Optional[OpConfig]) -> "QuantizerConfig":
+        """op_type: one of OP_TYPES ("linear", "conv2d", "matmul", "add", "cat", ...)."""
+        if op_type not in OP_TYPES:
+            raise ConfigError(f"set_operator_type: unknown op type {op_type!r}; allowed: {', '.join(OP_TYPES)}")
+        self.operator_type[op_type] = _op_config_or_none("set_operator_type", config)
+        return self
+
+    def set_module_type(self, module_type: type, config: Optional[OpConfig]) -> "QuantizerConfig":
+        """module_type: a torch.nn.Module subclass (e.g. torch.nn.Linear)."""
+        if not (isinstance(module_type, type) and issubclass(module_type, torch.nn.Module)):
+            raise TypeError(f"set_module_type: module_type must be a torch.nn.Module subclass, got {module_type!r}")
+        self.module_type[module_type] = _op_config_or_none("set_module_type", config)
+        return self
+
+    def set_module_name(self, name: Union[str, re.Pattern], config: Optional[OpConfig]) -> "QuantizerConfig":
+        """name: a module's path in the model ("encoder.fc1"; it covers the
+        modules inside it too), or a compiled regular expression that must
+        match a whole path (re.compile(r"blocks\\.\\d+\\.fc"))."""
+        config = _op_config_or_none("set_module_name", config)
+        if isinstance(name, re.Pattern):
+            self.module_name_regex[name.pattern] = config
+        elif isinstance(name, str):
+            self.module_name[name] = config
+        else:
+            raise TypeError(f"set_module_name: name must be a str or a compiled re.Pattern, got {type(name).__name__}")
+        return self
+
+    # -- resolution -------------------------------------------------------------
+
+    def resolve(self, op_type: str, module_stack: Sequence[tuple[str, str]]) -> Resolution:
+        """The op config of an op of `op_type` called inside `module_stack`
+        ((path, type name) pairs, outermost first, as in an exported node's
+        nn_module_stack)."""
+        inner_first = list(reversed(module_stack))
+        for path, _ in inner_first:
+            if path in self.module_name:
+                return Resolution(self.module_name[path], f"module name {path!r}")
+            for pattern, config in self.module_name_regex.items():
+                if re.fullmatch(pattern, path):
+                    return Resolution(config, f"module name regex {pattern!r}")
+        for path, type_name in inner_first:
+            for cls, config in self.module_type.items():
+                if module_type_name(cls) == type_name:
+                    return Resolution(config, f"module type {cls.__name__}")
+        if op_type in self.operator_type:
+            return Resolution(self.operator_type[op_type], f"op type {op_type!r}")
+        return Resolution(self.global_config, "global")
+
+    # -- dicts and files ------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        as_dict = lambda c: None if c is None else c.to_dict()  # noqa: E731
+        return {
+            "global": as_dict(self.global_config),
+            "operator_type": {k: as_dict(v) for k, v in self.operator_type.items()},
+            "module_type": {_short_type_name(k): as_dict(v) for k, v in self.module_type.items()},
+            "module_name": {k: as_dict(v) for k, v in self.module_name.items()},
+            "module_name_regex": {k: as_dict(v) for k, v in self.module_name_regex.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, d) -> "QuantizerConfig":
+        check_keys("QuantizerConfig", d, CONFIG_KEYS)
+        op_config = lambda where, v: None if v is None else OpConfig.from_dict(v, where)  # noqa: E731
+        config = cls(op_config("global", d.get("global")))
+        for section in CONFIG_KEYS[1:]:
+            entries = d.get(section) or {}
+            if not isinstance(entries, dict):
+                raise ConfigError(f"{section}: expected a mapping, got {type(entries).__name__} {entries!r}")
+            for key, value in entries.items():
+                where = f"{section}[{key!r}]"
+                entry = op_config(where, value)
+                if section == "operator_type":
+                    if key not in OP_TYPES:
+                        raise ConfigError(f"{where}: unknown op type {key!r}; allowed: {', '.join(OP_TYPES)}")
+                    config.operator_type[key] = entry
+                elif section == "module_type":
+                    config.module_type[_import_module_type(where, key)] = entry
+                elif section == "module_name":
+                    config.module_name[key] = entry
+                else:
+                    try:
+                        re.compile(key)
+                    except re.error as e:
+                        raise ConfigError(f"{where}: not a regular expression ({e})") from None
+                    config.module_name_regex[key] = entry
+        return config
+
+    def save(self, path: Union[str, Path]) -> None:
+        """Writes YAML (.yaml, .yml) or JSON (.json), by the file's suffix."""
+        path = Path(path)
+        kind = _file_kind(path)
+        if kind == "json":
+            path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        else:
+            import yaml
+
+            path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    @classmethod
+    def load(cls, path: Union[str, Path]) -> "QuantizerConfig":
+        path = Path(path)
+        kind = _file_kind(path)
+        if kind == "json":
+            return cls.from_dict(json.loads(path.read_text()))
+        import yaml
+
+        return cls.from_dict(yaml.safe_load(path.read_text()))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, QuantizerConfig) and self.to_dict() == other.to_dict()
+
+    def __repr__(self) -> str:
+        return f"QuantizerConfig({self.to_dict()!r})"
+
+
+def _file_kind(path: Path) -> str:
+    if path.suffix.lower() not in FILE_SUFFIXES:
+        raise ConfigError(f"QuantizerConfig file {str(path)!r}: unknown suffix {path.suffix!r}; "
+                          f"allowed: {', '.join(FILE_SUFFIXES)}")
+    return "json" if path.suffix.lower() == ".json" else "yaml"

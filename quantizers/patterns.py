@@ -1,0 +1,145 @@
+"""Op patterns: which tensors of an exported (aten) graph node an op config
+quantizes.
+
+`match(node)` recognises the ops that take an op config and says which of
+their arguments play which role (input activation, weight, bias) and where
+their output is quantized: after a following activation (and, in the QAT
+graph, a batch norm between a conv and that activation), never in between,
+so conv-bn-relu and linear-gelu are each quantized as one unit.
+
+Two more kinds of ops take no config of their own:
+- PASS_THROUGH ops only move or select values (view, reshape, flatten,
+  permute, transpose, max pooling, ...): their output lies on their input's
+  quantization grid, so it needs no fake-quant of its own.
+- AVERAGING_POOLS compute averages, which fall between grid points: their
+  output is quantized again with their input's fake-quant module (shared
+  qparams).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch.fx import Node
+
+aten = torch.ops.aten
+
+# Roles an argument can play; they name the fields of an OpConfig.
+INPUT, WEIGHT, BIAS = "input_activation", "weight", "bias"
+
+# op type name -> aten ops of the (pre-dispatch) exported graph.
+_WEIGHTED_OPS = {
+    "linear": (aten.linear.default,),
+    "conv1d": (aten.conv1d.default, aten.conv1d.padding),
+    "conv2d": (aten.conv2d.default, aten.conv2d.padding),
+    "conv3d": (aten.conv3d.default, aten.conv3d.padding),
+    "conv_transpose1d": (aten.conv_transpose1d.default,),
+    "conv_transpose2d": (aten.conv_transpose2d.input,),
+}
+_MATMUL_OPS = {"matmul": (aten.matmul.default,), "bmm": (aten.bmm.default,)}
+_BINARY_OPS = {"add": (aten.add.Tensor,), "mul": (aten.mul.Tensor,)}
+_CONCAT_OPS = {"cat": (aten.cat.default,), "stack": (aten.stack.default,)}
+_EMBEDDING_OPS = {"embedding": (aten.embedding.default,)}
+
+OP_TYPES = tuple({**_WEIGHTED_OPS, **_MATMUL_OPS, **_EMBEDDING_OPS, **_BINARY_OPS, **_CONCAT_OPS})
+_OP_TYPE_OF = {
+    op: name
+    for table in (_WEIGHTED_OPS, _MATMUL_OPS, _EMBEDDING_OPS, _BINARY_OPS, _CONCAT_OPS)
+    for name, ops in table.items()
+    for op in ops
+}
+
+# Conv weights are stored (out, in/groups, ...), conv_transpose weights
+# (in, out/groups, ...): weight granularity axes 0 and 1 are swapped for them.
+TRANSPOSED_WEIGHT_OPS = ("conv_transpose1d", "conv_transpose2d")
+_CONV_OPS = ("conv1d", "conv2d", "conv3d", *TRANSPOSED_WEIGHT_OPS)
+
+# Activations quantized together with the op before them.
+_ACTIVATIONS = {
+    aten.relu.default, aten.relu_.default, aten.relu6.default, aten.hardtanh.default, aten.hardtanh_.default,
+    aten.gelu.default, aten.silu.default, aten.silu_.default, aten.hardswish.default, aten.sigmoid.default,
+    aten.tanh.default, aten.leaky_relu.default, aten.elu.default,
+}
+_BATCH_NORMS = {aten.batch_norm.default, aten._native_batch_norm_legit_no_training.default}
+
+PASS_THROUGH = {
+    aten.view.default, aten.reshape.default, aten.flatten.using_ints, aten.permute.default,
+    aten.transpose.int, aten.t.default, aten.squeeze.dim, aten.squeeze.dims, aten.unsqueeze.default,
+    aten.max_pool1d.default, aten.max_pool2d.default, aten.max_pool3d.default,
+}
+AVERAGING_POOLS = {
+    aten.avg_pool1d.default, aten.avg_pool2d.default, aten.avg_pool3d.default,
+    aten.adaptive_avg_pool1d.default, aten.adaptive_avg_pool2d.default, aten.adaptive_avg_pool3d.default,
+}
+
+_FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class OpMatch:
+    """One op that takes an op config.
+
+    inputs: (argument, role) in the op's argument order.
+    shared_inputs: every input shares one set of qparams (cat, stack).
+    output: the node whose output carries the op's output_activation (the end
+        of a fused op -> [batch_norm] -> [activation] chain), or None.
+    inner: the nodes between the op and `output`, quantized by neither.
+    """
+
+    op_type: str
+    node: Node
+    inputs: list[tuple[Node, str]]
+    shared_inputs: bool = False
+    output: Optional[Node] = None
+    inner: list[Node] = field(default_factory=list)
+
+
+def is_float_tensor(node) -> bool:
+    val = node.meta.get("val") if isinstance(node, Node) else None
+    return isinstance(val, torch.Tensor) and val.dtype in _FLOAT_DTYPES
+
+
+def _is_param(node: Node) -> bool:
+    return node.op == "get_attr"
+
+
+def _fused_output(node: Node, allow_batch_norm: bool) -> tuple[Node, list[Node]]:
+    """The end of node -> [batch_norm] -> [activation], each link the only
+    user of the one before, and the nodes before the end."""
+    chain = [node]
+    for kinds in ((_BATCH_NORMS,) if allow_batch_norm else ()) + (_ACTIVATIONS,):
+        users = list(chain[-1].users)
+        if len(users) == 1 and users[0].op == "call_function" and users[0].target in kinds:
+            chain.append(users[0])
+    return chain[-1], chain[:-1]
+
+
+def match(node: Node) -> Optional[OpMatch]:
+    """The OpMatch of a node whose op takes an op config, else None."""
+    if node.op != "call_function" or node.target not in _OP_TYPE_OF:
+        return None
+    op_type = _OP_TYPE_OF[node.target]
+    args = node.args
+    if op_type in _WEIGHTED_OPS:
+        inputs = [(args[0], INPUT), (args[1], WEIGHT)]
+        if len(args) > 2 and isinstance(args[2], Node):
+            inputs.append((args[2], BIAS))
+    elif op_type in _MATMUL_OPS:
+        inputs = [(a, WEIGHT if _is_param(a) else INPUT) for a in args[:2]]
+    elif op_type in _EMBEDDING_OPS:
+        return OpMatch(op_type, node, [(args[0], WEIGHT)])  # weight only: the indices are integers
+    elif op_type in _BINARY_OPS:
+        inputs = [(a, INPUT) for a in args[:2] if isinstance(a, Node)]
+        if len(inputs) < 2:
+            return None  # a tensor and a scalar (x * 0.5): left in float
+    else:  # cat, stack: shared qparams, so the output is on the inputs' grid
+        inputs = [(a, INPUT) for a in args[0]]
+        if not all(is_float_tensor(a) for a, _ in inputs):
+            return None
+        return OpMatch(op_type, node, inputs, shared_inputs=True)
+    if not all(is_float_tensor(a) for a, _ in inputs):
+        return None
+    end, inner = _fused_output(node, allow_batch_norm=op_type in _CONV_OPS)
+    return OpMatch(op_type, node, inputs, output=end, inner=inner)

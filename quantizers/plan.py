@@ -1,0 +1,206 @@
+"""Plan: every fake-quant point of an exported graph under a QuantizerConfig,
+and which points share one fake-quant module.
+
+A tensor is fake-quantized once per QSpec. The walk goes through the graph in
+order and keeps, for every tensor whose value is already fake-quantized (an
+op's quantized output, seen through pass-through ops such as view and
+max-pool while the QSpec is per-tensor, or a cat's shared input group), the
+QSpec and the point that did it. A consumer asking for that same QSpec
+reuses it (no new point); siblings asking for the same QSpec of the same
+tensor share one module; a different QSpec gets its own point (a
+requantization).
+
+The sharing is explicit: the quantizer writes SharedQuantizationSpecs and
+turns torchao's implicit sharing off, because torchao merges adjacent points
+whose dtype / range / qscheme agree without comparing their observers or
+granularity (docs/fake_quantize.md, trap 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from torch.fx import GraphModule, Node
+
+from pt2e_fq import PerBlock, PerChannel, PerGroup, PerTensor, QSpec
+
+from .config import OpConfig, QuantizerConfig
+from .patterns import AVERAGING_POOLS, PASS_THROUGH, TRANSPOSED_WEIGHT_OPS, WEIGHT, OpMatch, match
+
+EdgeOrNode = Union[Node, tuple[Node, Node]]
+
+
+@dataclass(frozen=True)
+class Point:
+    """One quantized tensor: an op's input edge or a node's output. A point
+    with `shared_with` uses the fake-quant module of that edge or node."""
+
+    qspec: QSpec
+    shared_with: Optional[EdgeOrNode] = None
+
+
+@dataclass
+class NodeAnnotation:
+    """What the quantizer writes on one node: its input edges in argument
+    order (None: not quantized here) and its output point."""
+
+    inputs: dict[Node, Optional[Point]] = field(default_factory=dict)
+    output: Optional[Point] = None
+
+
+@dataclass
+class PlannedInput:
+    arg: Node
+    role: str
+    qspec: Optional[QSpec]  # None: left in float
+    point: Optional[Point] = None  # a new or shared point on this edge
+    reuses: Optional[EdgeOrNode] = None  # already quantized there with this QSpec
+
+
+@dataclass
+class PlannedOp:
+    """An op that takes an op config, the config chosen and why."""
+
+    match: OpMatch
+    config: Optional[OpConfig]
+    rule: str
+    inputs: list[PlannedInput] = field(default_factory=list)
+
+    @property
+    def node(self) -> Node:
+        return self.match.node
+
+
+@dataclass
+class Plan:
+    ops: list[PlannedOp] = field(default_factory=list)
+    annotations: dict[Node, NodeAnnotation] = field(default_factory=dict)
+
+    def points(self):
+        """(node, tensor, role, point) for every point: `tensor` is the value
+        quantized, `node` the node whose annotation holds the point."""
+        for node, ann in self.annotations.items():
+            for arg, p in ann.inputs.items():
+                if p is not None:
+                    yield node, arg, "input", p
+            if ann.output is not None:
+                yield node, node, "output", ann.output
+
+    @property
+    def num_modules(self) -> int:
+        return sum(p.shared_with is None for *_, p in self.points())
+
+
+def module_stack(node: Node) -> list[tuple[str, str]]:
+    """(path, type name) of the modules a node was called in, outermost first."""
+    return list(node.meta.get("nn_module_stack", {}).values())
+
+
+def node_or_edge_name(where: EdgeOrNode) -> str:
+    return where.name if isinstance(where, Node) else f"{where[0].name}->{where[1].name}"
+
+
+def _swap_axes_0_1(spec: QSpec) -> QSpec:
+    """Weight axes are given in the (out, in, ...) layout of linear and conv
+    weights; conv_transpose stores (in, out/groups, ...)."""
+    g = spec.granularity
+    swap = {0: 1, 1: 0}
+    if isinstance(g, PerChannel):
+        g = PerChannel(swap.get(g.axis, g.axis))
+    elif isinstance(g, PerGroup):
+        g = PerGroup(g.group_size, swap.get(g.axis, g.axis))
+    elif isinstance(g, PerBlock) and len(g.block) >= 2:
+        g = PerBlock((g.block[1], g.block[0], *g.block[2:]))
+    return dataclasses.replace(spec, granularity=g)
+
+
+class _Walk:
+    def __init__(self, config: QuantizerConfig):
+        self.config = config
+        self.plan = Plan()
+        # Tensors whose value is fake-quantized: node -> (QSpec, the point that did it).
+        self.quantized: dict[Node, tuple[QSpec, EdgeOrNode]] = {}
+        # First edge that quantized a tensor with a QSpec, for siblings to share.
+        self.edge_roots: dict[tuple[Node, QSpec], EdgeOrNode] = {}
+
+    def annotation(self, node: Node) -> NodeAnnotation:
+        return self.plan.annotations.setdefault(node, NodeAnnotation())
+
+    def _carries_grid(self, src: Node) -> bool:
+        """A pass-through op keeps its input's grid when that input has one
+        static-or-dynamic per-tensor scale (per-channel axes and groups move)."""
+        return src in self.quantized and isinstance(self.quantized[src][0].granularity, PerTensor)
+
+    def input_point(self, planned: PlannedInput, node: Node, group_root: Optional[EdgeOrNode]):
+        """Fills planned.point / planned.reuses; returns the root of the tensor's quantization."""
+        arg, spec = planned.arg, planned.qspec
+        done = self.quantized.get(arg)
+        if done is not None and (done[1] == group_root or (group_root is None and done[0] == spec)):
+            planned.reuses = done[1]
+            return done[1]
+        if group_root is not None:  # cat / stack: the group's module, whatever this input had before
+            planned.point = Point(spec, shared_with=group_root)
+            return group_root
+        key = (arg, spec)
+        if key in self.edge_roots:
+            planned.point = Point(spec, shared_with=self.edge_roots[key])
+        else:
+            planned.point = Point(spec)
+            self.edge_roots[key] = (arg, node)
+        return self.edge_roots[key]
+
+    def op(self, m: OpMatch) -> None:
+        resolution = self.config.resolve(m.op_type, module_stack(m.node))
+        planned = PlannedOp(m, resolution.config, resolution.rule)
+        self.plan.ops.append(planned)
+        cfg = resolution.config
+        if cfg is None:
+            return
+        ann = self.annotation(m.node)
+        group_root = None
+        for arg, role in m.inputs:
+            spec = getattr(cfg, role)
+            if spec is not None and role == WEIGHT and m.op_type in TRANSPOSED_WEIGHT_OPS:
+                spec = _swap_axes_0_1(spec)
+            p = PlannedInput(arg, role, spec)
+            planned.inputs.append(p)
+            if spec is not None:
+                root = self.input_point(p, m.node, group_root)
+                if m.shared_inputs:
+                    group_root = root
+            # Every input gets an entry, None where nothing is inserted:
+            # prepare_qat_pt2e's conv-bn fusion reads a conv's entries by
+            # position (input, weight, bias).
+            ann.inputs[arg] = p.point
+        if m.shared_inputs:
+            if group_root is not None and isinstance(cfg.input_activation.granularity, PerTensor) \
+                    and not cfg.input_activation.dynamic:
+                self.quantized[m.node] = (cfg.input_activation, group_root)
+            return
+        for inner in m.inner:
+            self.annotation(inner)
+        if m.output is not None and cfg.output_activation is not None:
+            self.annotation(m.output).output = Point(cfg.output_activation)
+            self.quantized[m.output] = (cfg.output_activation, m.output)
+
+    def run(self, gm: GraphModule) -> Plan:
+        for node in gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if node.target in PASS_THROUGH and self._carries_grid(node.args[0]):
+                self.quantized[node] = self.quantized[node.args[0]]
+            elif node.target in AVERAGING_POOLS and self._carries_grid(node.args[0]):
+                spec, root = self.quantized[node.args[0]]
+                self.annotation(node).output = Point(spec, shared_with=root)
+                self.quantized[node] = (spec, root)
+            else:
+                m = match(node)
+                if m is not None:
+                    self.op(m)
+        return self.plan
+
+
+def build_plan(gm: GraphModule, config: QuantizerConfig) -> Plan:
+    return _Walk(config).run(gm)

@@ -1,0 +1,94 @@
+"""Preset QuantizerConfigs.
+
+Weight granularity axes are in the (out, in, ...) layout of linear and conv
+weights (the quantizer swaps axes 0 and 1 for conv_transpose): PerChannel(0)
+is one scale per output channel, PerGroup(n, axis=1) groups n consecutive
+input channels. Weight points use CurrentMinMaxObserver: qparams follow the
+current weights (right for PTQ and for QAT, where the weights move). Static
+activation points use MinMaxObserver (calibration). Bias stays in float.
+
+| preset | weights | activations |
+| w8a8   | int8 per channel, symmetric narrow | int8 per tensor, asymmetric, static |
+| w4a8   | int4 per group of 32, symmetric    | int8 per tensor, asymmetric, static |
+| w4a16  | int4 per group of 32, asymmetric MINVAL | float |
+| w8a16  | int8 per group of 128, symmetric narrow | float |
+| fp8    | fp8 E4M3 per channel               | fp8 E4M3 per tensor, dynamic |
+| mxfp8  | MXFP8 E4M3 (blocks of 32, E8M0 scales) | MXFP8 E4M3, dynamic |
+| mxfp4  | MXFP4 (blocks of 32, E8M0 scales)  | MXFP4, dynamic |
+| nvfp4  | NVFP4 (blocks of 16, E4M3 scales, per-tensor global scale) | NVFP4, static global scale |
+
+MX and NVFP4 blocks run along the reduction dimension: a linear or matmul
+input's last axis, a conv input's channel axis (axis 1, hence the op-type
+entries for convolutions).
+"""
+
+from __future__ import annotations
+
+from pt2e_fq import (
+    FP8_E4M3,
+    INT4,
+    INT8,
+    MXFP4,
+    MXFP8_E4M3,
+    NVFP4,
+    CurrentMinMaxObserver,
+    PerChannel,
+    PerGroup,
+    PerTensor,
+    QSpec,
+)
+
+from .config import OpConfig, QuantizerConfig
+
+_CONV_OP_TYPES = ("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d")
+_WEIGHT_OBSERVER = CurrentMinMaxObserver()
+_INT8_ACT = QSpec(INT8, PerTensor(), "asymmetric")
+
+
+def _int_config(weight: QSpec, activation=None) -> QuantizerConfig:
+    return QuantizerConfig(OpConfig(input_activation=activation, weight=weight, output_activation=activation))
+
+
+def _block_config(fmt, block: int, activation_dynamic: bool) -> QuantizerConfig:
+    """MX / NVFP4: blocks along the reduction axis of every op."""
+
+    def spec(axis, dynamic, observer=None):
+        return QSpec(fmt, PerGroup(block, axis), dynamic=dynamic, observer=observer)
+
+    weight_dynamic = fmt is not NVFP4  # MX: the kernel scales every block; NVFP4: an observed global scale
+    weight = spec(1, weight_dynamic, None if weight_dynamic else _WEIGHT_OBSERVER)
+    config = QuantizerConfig(OpConfig(spec(-1, activation_dynamic), weight, None, spec(-1, activation_dynamic)))
+    conv = OpConfig(spec(1, activation_dynamic), weight, None, spec(1, activation_dynamic))
+    for op_type in _CONV_OP_TYPES:
+        config.set_operator_type(op_type, conv)
+    return config
+
+
+W8A8 = _int_config(QSpec(INT8, PerChannel(0), "symmetric_narrow", observer=_WEIGHT_OBSERVER), _INT8_ACT)
+W4A8 = _int_config(QSpec(INT4, PerGroup(32, 1), "symmetric", observer=_WEIGHT_OBSERVER), _INT8_ACT)
+W4A16 = _int_config(QSpec(INT4, PerGroup(32, 1), "asymmetric", "minval", observer=_WEIGHT_OBSERVER))
+W8A16 = _int_config(QSpec(INT8, PerGroup(128, 1), "symmetric_narrow", observer=_WEIGHT_OBSERVER))
+FP8 = _int_config(
+    QSpec(FP8_E4M3, PerChannel(0), observer=_WEIGHT_OBSERVER), QSpec(FP8_E4M3, PerTensor(), dynamic=True)
+)
+MXFP8 = _block_config(MXFP8_E4M3, 32, activation_dynamic=True)
+MXFP4 = _block_config(MXFP4, 32, activation_dynamic=True)
+NVFP4 = _block_config(NVFP4, 16, activation_dynamic=False)
+
+PRESETS = {
+    "w8a8": W8A8,
+    "w4a8": W4A8,
+    "w4a16": W4A16,
+    "w8a16": W8A16,
+    "fp8": FP8,
+    "mxfp8": MXFP8,
+    "mxfp4": MXFP4,
+    "nvfp4": NVFP4,
+}
+
+
+def get_preset(name: str) -> QuantizerConfig:
+    """A fresh copy of a preset (safe to change with the setters)."""
+    if name not in PRESETS:
+        raise ValueError(f"get_preset: unknown preset {name!r}; allowed: {', '.join(PRESETS)}")
+    return QuantizerConfig.from_dict(PRESETS[name].to_dict())

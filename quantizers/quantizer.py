@@ -1,0 +1,177 @@
+"""FakeQuantQuantizer: the torchao Quantizer that annotates an exported graph
+from a QuantizerConfig, refuses what the backend cannot run, and describes
+what it will do before prepare.
+
+    quantizer = FakeQuantQuantizer(presets.W8A8)
+    gm = torch.export.export(model, example).module()
+    print(quantizer.describe(gm))
+    prepared = prepare_pt2e(gm, quantizer)   # or prepare_qat_pt2e
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from tabulate import tabulate
+from torch.fx import GraphModule, Node
+from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, Quantizer, SharedQuantizationSpec
+
+from pt2e_fq import QSpec
+from pt2e_fq.blocks import reduced_shape
+from pt2e_fq.fake_quantize import fake_quantizer
+
+from .config import OP_CONFIG_KEYS, QuantizerConfig
+from .plan import Plan, PlannedInput, Point, build_plan, module_stack, node_or_edge_name
+
+# What the fused op takes (docs/fake_quantize.md).
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class UnsupportedQuantizationError(ValueError):
+    """The config asks for fake quantization the backend cannot run."""
+
+
+def _module_of(node: Node) -> str:
+    stack = module_stack(node)
+    if not stack:
+        return "module '' (the model itself)"
+    path, type_name = stack[-1]
+    return f"module '{path}' ({type_name.rsplit('.', 1)[-1]})"
+
+
+def _tensor_shape_dtype(node: Node):
+    val = node.meta.get("val")
+    return (tuple(val.shape), val.dtype) if isinstance(val, torch.Tensor) else (None, None)
+
+
+def _qparam_shape(spec: QSpec, shape) -> tuple:
+    return tuple(reduced_shape(shape, spec.range_granularity.block_size(shape)))
+
+
+class FakeQuantQuantizer(Quantizer):
+    """Annotates linear, conv, conv_transpose, matmul/bmm, embedding, add,
+    mul, cat and stack nodes as `config` says (see quantizers.patterns for
+    the patterns and quantizers.plan for how points are shared)."""
+
+    def __init__(self, config: QuantizerConfig):
+        super().__init__()
+        if not isinstance(config, QuantizerConfig):
+            raise TypeError(f"FakeQuantQuantizer: config must be a QuantizerConfig, got {type(config).__name__}")
+        self.config = config
+
+    def plan(self, model: Union[GraphModule, torch.export.ExportedProgram]) -> Plan:
+        """The fake-quant points the config gives `model` (nothing is changed)."""
+        if isinstance(model, torch.export.ExportedProgram):
+            model = model.module()
+        return build_plan(model, self.config)
+
+    # -- torchao Quantizer ----------------------------------------------------------
+
+    def annotate(self, model: GraphModule) -> GraphModule:
+        plan = self.plan(model)
+        specs: dict[QSpec, object] = {}
+
+        def torchao_spec(point: Optional[Point]):
+            if point is None:
+                return None
+            if point.shared_with is not None:
+                return SharedQuantizationSpec(point.shared_with)
+            if point.qspec not in specs:
+                specs[point.qspec] = point.qspec.to_quantization_spec()
+            return specs[point.qspec]
+
+        for node, ann in plan.annotations.items():
+            node.meta["quantization_annotation"] = QuantizationAnnotation(
+                input_qspec_map={arg: torchao_spec(p) for arg, p in ann.inputs.items()},
+                output_qspec=torchao_spec(ann.output),
+                allow_implicit_sharing=False,  # all sharing is explicit (quantizers.plan)
+                _annotated=True,
+            )
+        return model
+
+    def validate(self, model: GraphModule) -> None:
+        """Raises UnsupportedQuantizationError listing every point the backend
+        cannot run: its node, module path and the reason."""
+        plan = self.plan(model)
+        problems = []
+        for node, tensor, where, point in plan.points():
+            reason = self._problem(tensor, point)
+            if reason:
+                edge = f"input '{tensor.name}' of node '{node.name}'" if where == "input" else f"output of node '{node.name}'"
+                problems.append(f"  {edge} ({node.target}) in {_module_of(node)}: {reason}")
+        if problems:
+            raise UnsupportedQuantizationError(
+                f"FakeQuantQuantizer: {len(problems)} fake-quant point(s) cannot run on this backend:\n"
+                + "\n".join(problems)
+            )
+
+    @staticmethod
+    def _problem(tensor: Node, point: Point) -> Optional[str]:
+        spec = point.qspec
+        shape, dtype = _tensor_shape_dtype(tensor)
+        if dtype not in SUPPORTED_DTYPES:
+            allowed = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
+            return f"the tensor is {dtype}; fake quantization takes {allowed}"
+        try:
+            fake_quantizer(spec.format)
+        except NotImplementedError as e:
+            return str(e)
+        try:
+            spec.granularity.block_size(shape)
+            qparams = _qparam_shape(spec, shape)
+        except ValueError as e:
+            return f"{spec} does not fit a tensor of shape {shape}: {e}"
+        if point.shared_with is not None and not spec.dynamic:
+            root = point.shared_with if isinstance(point.shared_with, Node) else point.shared_with[0]
+            root_qparams = _qparam_shape(spec, _tensor_shape_dtype(root)[0])
+            if root_qparams != qparams:
+                return (f"it shares the fake-quant module of {node_or_edge_name(point.shared_with)}, whose "
+                        f"qparams have shape {root_qparams}, but {spec} needs {qparams} here")
+        return None
+
+    # -- describe ---------------------------------------------------------------------
+
+    def describe(self, model: Union[GraphModule, torch.export.ExportedProgram], print_table: bool = True) -> str:
+        """A table of every op the config reaches and what each of its
+        tensors gets, before prepare; printed and returned."""
+        plan = self.plan(model)
+        rows = []
+        for op in plan.ops:
+            node = op.node
+            path = module_stack(node)[-1][0] if module_stack(node) else ""
+            cells = {k: "-" for k in OP_CONFIG_KEYS}
+            if op.config is None:
+                cells = {k: "float" for k in OP_CONFIG_KEYS}
+            else:
+                for role in ("input_activation", "weight", "bias"):
+                    texts = [_input_text(p) for p in op.inputs if p.role == role]
+                    if texts:
+                        cells[role] = "\n".join(texts)
+                end = op.match.output
+                out = plan.annotations.get(end).output if end is not None and end in plan.annotations else None
+                if out is not None:
+                    cells["output_activation"] = str(out.qspec) + ("" if end is node else f" (after {end.name})")
+                elif op.match.shared_inputs and op.config.input_activation is not None:
+                    cells["output_activation"] = "on the inputs' shared grid"
+            rows.append([node.name, op.match.op_type, path, op.rule, *cells.values()])
+        for node, ann in plan.annotations.items():  # averaging pools
+            if ann.output is not None and ann.output.shared_with is not None:
+                name = node_or_edge_name(ann.output.shared_with)
+                rows.append([node.name, getattr(node.target, "_opname", str(node.target)), "", "pool", "-", "-", "-",
+                             f"{ann.output.qspec} (shared with {name})"])
+        table = tabulate(rows, headers=["node", "op", "module", "config from", *OP_CONFIG_KEYS])
+        table += f"\n{plan.num_modules} fake-quant module(s)"
+        if print_table:
+            print(table)
+        return table
+
+
+def _input_text(p: PlannedInput) -> str:
+    if p.qspec is None:
+        return "-"
+    if p.reuses is not None:
+        return f"{p.qspec} (already at {node_or_edge_name(p.reuses)})"
+    if p.point.shared_with is not None:
+        return f"{p.qspec} (shared with {node_or_edge_name(p.point.shared_with)})"
+    return str(p.qspec)

@@ -1,0 +1,164 @@
+"""QuantizerConfig: precedence, dict / YAML / JSON round trips, error messages."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch.nn as nn
+
+import pt2e_fq as q
+from quantizers import ConfigError, OpConfig, QuantizerConfig, presets
+
+A8 = q.QSpec(q.INT8, q.PerTensor(), "asymmetric")
+W8 = q.QSpec(q.INT8, q.PerChannel(0), "symmetric_narrow", observer=q.CurrentMinMaxObserver())
+W4 = q.QSpec(q.INT4, q.PerGroup(32, 1), "asymmetric", "minval", observer=q.MSEObserver(8, 0.5))
+GLOBAL, BY_OP, BY_TYPE, BY_NAME, BY_REGEX = (
+    OpConfig(A8, W8, None, A8), OpConfig(weight=W4), OpConfig(A8), OpConfig(output_activation=A8), OpConfig(weight=W8)
+)
+
+
+def _config():
+    return (
+        QuantizerConfig(GLOBAL)
+        .set_operator_type("conv2d", BY_OP)
+        .set_module_type(nn.Linear, BY_TYPE)
+        .set_module_name("blocks.0.fc", BY_NAME)
+        .set_module_name(re.compile(r"blocks\.\d+\.proj"), BY_REGEX)
+        .set_module_name("head", None)
+    )
+
+
+LINEAR = "torch.nn.modules.linear.Linear"
+
+
+@pytest.mark.parametrize(
+    "op_type, stack, expected, rule",
+    [
+        ("add", [("", "m.Net")], GLOBAL, "global"),
+        ("conv2d", [("", "m.Net"), ("stem", "torch.nn.modules.conv.Conv2d")], BY_OP, "op type 'conv2d'"),
+        ("linear", [("", "m.Net"), ("fc", LINEAR)], BY_TYPE, "module type Linear"),
+        # a module name beats the module type, an exact name beats a regex
+        ("linear", [("blocks.0", "m.Block"), ("blocks.0.fc", LINEAR)], BY_NAME, "module name 'blocks.0.fc'"),
+        ("linear", [("blocks.1", "m.Block"), ("blocks.1.proj", LINEAR)], BY_REGEX,
+         "module name regex 'blocks\\\\.\\\\d+\\\\.proj'"),
+        # the regex must match the whole name
+        ("linear", [("blocks.1", "m.Block"), ("blocks.1.proj2", LINEAR)], BY_TYPE, "module type Linear"),
+        # a name covers what is inside it; None leaves the op in float
+        ("matmul", [("head", "m.Head"), ("head.inner", "m.Inner")], None, "module name 'head'"),
+    ],
+)
+def test_resolution_precedence(op_type, stack, expected, rule):
+    resolution = _config().resolve(op_type, stack)
+    assert resolution.config == expected
+    assert resolution.rule == rule
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_every_preset_and_a_custom_config_round_trip_through_files(tmp_path, suffix):
+    for name, config in [*presets.PRESETS.items(), ("custom", _config())]:
+        path = tmp_path / f"{name}{suffix}"
+        config.save(path)
+        loaded = QuantizerConfig.load(path)
+        # compared field by field with the objects the config was built from
+        assert loaded.global_config == config.global_config
+        assert loaded.operator_type == config.operator_type
+        assert loaded.module_type == config.module_type
+        assert loaded.module_name == config.module_name
+        assert loaded.module_name_regex == config.module_name_regex
+        assert QuantizerConfig.from_dict(loaded.to_dict()).to_dict() == loaded.to_dict()
+
+
+def test_a_hand_written_yaml_file_reads_as_the_fluent_config(tmp_path):
+    path = tmp_path / "config.yml"
+    path.write_text(
+        """
+global:
+  input_activation: {format: int8, scheme: asymmetric}
+  weight:
+    format: INT8
+    granularity: {type: per_channel, axis: 0}
+    scheme: symmetric_narrow
+    observer: current_min_max
+  output_activation: {format: int8, granularity: per_tensor, scheme: asymmetric}
+operator_type:
+  conv2d:
+    weight: {format: int4, granularity: {type: per_group, group_size: 32, axis: 1}, scheme: asymmetric,
+             formulation: minval, observer: {type: mse, num_candidates: 8, min_fraction: 0.5}}
+module_type:
+  torch.nn.Linear: {input_activation: {format: int8, scheme: asymmetric}}
+module_name:
+  blocks.0.fc: {output_activation: {format: int8, scheme: asymmetric}}
+  head: null
+module_name_regex:
+  'blocks\\.\\d+\\.proj': {weight: {format: int8, granularity: {type: per_channel, axis: 0},
+                                     scheme: symmetric_narrow, observer: current_min_max}}
+"""
+    )
+    loaded, expected = QuantizerConfig.load(path), _config()
+    assert loaded.global_config == expected.global_config
+    assert loaded.operator_type == expected.operator_type
+    assert loaded.module_type == expected.module_type
+    assert loaded.module_name == expected.module_name
+    assert loaded.module_name_regex == expected.module_name_regex
+
+
+def test_get_preset_returns_an_independent_copy():
+    config = presets.get_preset("w8a8").set_module_name("head", None)
+    assert "head" in config.module_name
+    assert "head" not in presets.W8A8.module_name
+    with pytest.raises(ValueError, match="unknown preset 'w9a9'; allowed: w8a8, w4a8, w4a16, w8a16, fp8, mxfp8"):
+        presets.get_preset("w9a9")
+
+
+_QSPEC = {"format": "int8"}
+
+
+@pytest.mark.parametrize(
+    "d, message",
+    [
+        ({"globals": None}, "QuantizerConfig: unknown key 'globals'; allowed: global, operator_type, module_type, "
+                            "module_name, module_name_regex"),
+        ({"global": {"weights": _QSPEC}}, "global: unknown key 'weights'; allowed: input_activation, weight, bias, "
+                                          "output_activation"),
+        ({"global": {"weight": {"format": "int3x"}}}, "global.weight.format: unknown format 'int3x'; allowed: int2 .. "
+                                                      "int16, uint2 .. uint15, fp8_e4m3, fp8_e5m2, fp4_e2m1"),
+        ({"global": {"weight": {"format": "int17"}}}, "global.weight.format: IntFormat: bits must be 2..16"),
+        ({"global": {"weight": {"scheme": "sym"}}}, "global.weight: missing key 'format'"),
+        ({"global": {"weight": {"format": "int8", "scheme": "sym"}}},
+         "global.weight: QSpec: scheme must be one of SYMMETRIC, SYMMETRIC_NARROW, ASYMMETRIC"),
+        ({"global": {"weight": {"format": "int8", "granularity": "per_row"}}},
+         "global.weight.granularity: unknown granularity 'per_row'; allowed: per_tensor, per_channel, per_group, "
+         "per_block, per_token"),
+        ({"global": {"weight": {"format": "int8", "granularity": {"type": "per_group", "size": 32}}}},
+         "global.weight.granularity (per_group): unknown key 'size'; allowed: group_size, axis"),
+        ({"global": {"weight": {"format": "int8", "observer": {"type": "mse", "candidates": 3}}}},
+         "global.weight.observer (mse): unknown key 'candidates'; allowed: num_candidates, min_fraction"),
+        ({"global": {"weight": {"format": "int8", "observer": "histogram"}}},
+         "global.weight.observer: unknown observer 'histogram'; allowed: min_max, moving_average_min_max, mse, "
+         "current_min_max"),
+        ({"operator_type": {"softmax": None}}, "operator_type['softmax']: unknown op type 'softmax'; allowed: linear, "
+                                               "conv1d, conv2d, conv3d, conv_transpose1d, conv_transpose2d, matmul"),
+        ({"module_type": {"torch.nn.Linea": None}}, "module_type['torch.nn.Linea']: 'torch.nn.Linea' is not an "
+                                                    "importable torch.nn.Module subclass"),
+        ({"module_name_regex": {"fc(": None}}, "module_name_regex['fc(']: not a regular expression"),
+        ({"module_name": ["head"]}, "module_name: expected a mapping, got list"),
+    ],
+)
+def test_unknown_keys_and_values_are_named_with_what_is_allowed(d, message):
+    with pytest.raises(ConfigError) as err:
+        QuantizerConfig.from_dict(d)
+    assert message in str(err.value)
+
+
+def test_setter_and_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="set_operator_type: unknown op type 'relu'; allowed: linear, conv1d"):
+        QuantizerConfig().set_operator_type("relu", None)
+    with pytest.raises(TypeError, match="set_module_type: module_type must be a torch.nn.Module subclass"):
+        QuantizerConfig().set_module_type("Linear", None)
+    with pytest.raises(TypeError, match="set_global: expected an OpConfig or None"):
+        QuantizerConfig().set_global(A8)
+    with pytest.raises(TypeError, match="OpConfig: weight must be a pt2e_fq.QSpec or None"):
+        OpConfig(weight="int8")
+    with pytest.raises(ConfigError, match="unknown suffix '.toml'; allowed: .yaml, .yml, .json"):
+        QuantizerConfig().save(tmp_path / "c.toml")
