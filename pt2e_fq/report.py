@@ -95,7 +95,8 @@ def role(point: torch.fx.Node) -> tuple[str, str]:
     users = list(point.users)
     if _is_constant(src):
         user = users[0]
-        kind = {1: "weight", 2: "bias"}.get(list(user.args).index(point) if point in user.args else -1, "input")
+        # A constant operand is a weight (linear, conv, embedding, matmul), except a bias (argument 2).
+        kind = "bias" if point in user.args and list(user.args).index(point) == 2 else "weight"
         return _module_path(user), f"{kind} of {user.name}"
     consumers = [u.name for u in users if u.op != "output"]
     if src.op == "placeholder":

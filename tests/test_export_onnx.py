@@ -1,7 +1,7 @@
 """ONNX export: every fake-quant point becomes QuantizeLinear /
 DequantizeLinear with the right type and layout, weights become integer
-initializers, and ONNX Runtime (CPU) reproduces the torch model bit for bit
-with graph optimisations off."""
+initializers, ONNX Runtime (CPU) reproduces every point bit for bit and the
+outputs within one quantization step."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ import pytest
 import torch
 import torch.nn as nn
 from onnx import TensorProto
-from quantized_models import QAT_SHAPE, batch, ptq, qat_converted
+from quantized_models import QAT_SHAPE, batch, fake_quant_nodes, ptq, qat_converted
+from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
 import pt2e_fq as q
-from pt2e_fq.export import check_onnx, exported_program, to_onnx
+from pt2e_fq.export import check_onnx, to_onnx
+from quantizers import FakeQuantQuantizer, presets
 
 INT8_ASYM = q.QSpec(q.INT8, scheme="asymmetric")
 
@@ -106,7 +108,7 @@ def test_onnx_runtime_reproduces_the_model_bit_for_bit(case, tmp_path):
     float_dims = [list(t.dims) for t in exported.graph.initializer if t.data_type == TensorProto.FLOAT]
     assert not [dims for _, dims, _, _ in weight_dqs if dims in float_dims]
     result = check_onnx(path, model, (batch(1, shape),))
-    assert result.max_abs_diff_unoptimized == 0.0
+    assert result.points == len(fake_quant_nodes(model))  # each compared bit for bit
 
 
 def test_dynamic_per_token_activations_with_a_dynamic_batch(tmp_path):
@@ -158,22 +160,24 @@ def test_qat_conv_bn_exports_folded(tmp_path):
     path = tmp_path / "qat.onnx"
     to_onnx(model, (x,), path)
     assert "BatchNormalization" not in _ops(onnx.load(path))
-    # The reference is the folded program (folding changes fp32 rounding).
-    check_onnx(path, exported_program(model, (x,)), (batch(31, QAT_SHAPE),))
+    # The folded weight fake-quantizes to the same bits: every point compares exactly.
+    assert check_onnx(path, model, (batch(31, QAT_SHAPE),)).points == len(fake_quant_nodes(model))
 
 
 def test_w8a8_file_is_at_most_35_percent_of_the_float_file(tmp_path):
+    x = batch(0, (2, 256))
     float_model = MLP(width=256, hidden=256, layers=3).eval()
-    torch.onnx.export(float_model, (batch(0, (2, 256)),), tmp_path / "float.onnx", dynamo=True,
-                      external_data=False)
-    torch.manual_seed(0)
-    quantized = ptq(INT8_ASYM, q.QSpec(q.INT8, q.PerChannel(0), "symmetric_narrow"), model=float_model,
-                    shape=(2, 256))
-    to_onnx(quantized, (batch(0, (2, 256)),), tmp_path / "w8a8.onnx")
+    torch.onnx.export(float_model, (x,), tmp_path / "float.onnx", dynamo=True, external_data=False)
+    gm = prepare_pt2e(torch.export.export(float_model, (x,)).module(), FakeQuantQuantizer(presets.get_preset("w8a8")))
+    gm(x)
+    to_onnx(convert_pt2e(gm), (x,), tmp_path / "w8a8.onnx")
     float_bytes = (tmp_path / "float.onnx").stat().st_size
     w8a8_bytes = (tmp_path / "w8a8.onnx").stat().st_size
     print(f"float {float_bytes} bytes, w8a8 {w8a8_bytes} bytes ({100 * w8a8_bytes / float_bytes:.1f}%)")
     assert w8a8_bytes <= 0.35 * float_bytes
+    # A file that to_onnx did not write has no map of its points.
+    with pytest.raises(AssertionError, match="no 'pt2e_fq.points' metadata"):
+        check_onnx(tmp_path / "float.onnx", float_model, (x,))
 
 
 def test_check_onnx_fails_when_onnx_runtime_and_torch_disagree(tmp_path):

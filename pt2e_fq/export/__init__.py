@@ -9,7 +9,8 @@
 """
 
 from .bn_fold import fold_conv_bn
-from .onnx import OnnxCheck, check_onnx, to_onnx
+from .onnx import to_onnx
+from .onnx_check import OnnxCheck, check_onnx
 from .program import exported_program
 from .pt2 import load, save
 

@@ -207,9 +207,11 @@ class _Point:
         return op.DequantizeLinear(ones, m, self.filled(0, _INT8), **self.layout.attributes)
 
 
-def translation_table(constants: Mapping[str, torch.Tensor]) -> dict[Callable, Callable]:
+def translation_table(constants: Mapping[str, torch.Tensor], points: list) -> dict[Callable, Callable]:
     """{pt2e_fq op: onnxscript translation}; `constants` maps the program's
-    placeholder names to their tensors (parameters, buffers, constants)."""
+    placeholder names to their tensors (parameters, buffers, constants).
+    Each translation appends to `points` its (input, output) ONNX values,
+    input None where x was a constant folded into the file."""
 
     def fake_quantize_affine(x, block_size, scale, zero_point, quant_min, quant_max, minval=None):
         p = _Point(constants, x, block_size, scale, quant_min, quant_max)
@@ -227,7 +229,8 @@ def translation_table(constants: Mapping[str, torch.Tensor]) -> dict[Callable, C
             x_shape = op.Shape(x)
         m = p.at_x_shape(minval, x_shape) if minval is not None else None
         consts = [p.const(v) for v in (x, scale, zero_point, minval) if v is not None]
-        if all(c is not None for c in consts):  # a weight: store the integers
+        folded = all(c is not None for c in consts)
+        if folded:  # a weight: store the integers
             q = quantize(p.const(x).detach(), p.block_size, p.const(scale), p.const(zero_point),
                          quant_min, quant_max, p.const(minval))
             y = p.dequantize(_constant(q.cpu().numpy().astype(it.numpy)), zp)
@@ -247,6 +250,7 @@ def translation_table(constants: Mapping[str, torch.Tensor]) -> dict[Callable, C
             y = op.Add(y, m)
         if dtype != ir.DataType.FLOAT:
             y = op.Cast(y, to=dtype)
+        points.append((None if folded else x, y))
         return y, _constant(np.zeros(0, np.uint8))  # the clamp mask is not carried (see to_onnx)
 
     return {torch.ops.pt2e_fq.fake_quantize_affine.default: fake_quantize_affine}

@@ -1,0 +1,84 @@
+"""Every integer preset of quantizers on the quantizer test models (an MLP, a
+CNN with conv-bn-relu and a residual add, a transformer encoder block, an
+embedding with a linear head), PTQ: the .pt2 file runs bit for bit in a fresh
+process, ONNX Runtime reproduces the model (check_onnx), and the report lists
+every fake-quant point once."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from quantizer_models import MODELS, build, example_batch, prepare, single_thread  # noqa: F401
+from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
+
+import pt2e_fq as q
+from pt2e_fq.export import check_onnx, to_onnx
+from quantizers import FakeQuantQuantizer, presets
+
+INT_PRESETS = ("w8a8", "w4a8", "w4a16", "w8a16")
+WEIGHTED = {"linear", "conv2d", "embedding"}
+
+
+def _converted(preset: str, model_name: str):
+    model = build(model_name).eval()
+    gm = prepare(model, example_batch(model_name, 0, n=4), FakeQuantQuantizer(presets.get_preset(preset)))
+    for seed in (1, 2):
+        gm(example_batch(model_name, seed, n=4))
+    return convert_pt2e(gm)
+
+
+def _points(gm) -> list:
+    return [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), q.FakeQuantize)]
+
+
+@pytest.fixture(scope="module")
+def converted():
+    return {(p, m): _converted(p, m) for p in INT_PRESETS for m in MODELS}
+
+
+def test_every_preset_round_trips_through_pt2_in_a_fresh_process(converted, tmp_path):
+    paths, expected = {}, {}
+    for (preset, name), model in converted.items():
+        key = f"{preset}-{name}"
+        paths[key] = str(tmp_path / f"{key}.pt2")
+        q.save(model, (example_batch(name, 0, n=4),), paths[key])
+        x = example_batch(name, 5, n=4)
+        torch.save(x, paths[key] + ".in")
+        expected[key] = model(x)
+    script = textwrap.dedent(f"""
+        import torch, pt2e_fq
+        for path in {list(paths.values())!r}:
+            torch.save(pt2e_fq.load(path).module()(torch.load(path + ".in")), path + ".out")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for key, path in paths.items():
+        loaded = torch.load(path + ".out")
+        assert torch.equal(loaded.view(torch.int32), expected[key].view(torch.int32)), key
+
+
+@pytest.mark.parametrize("preset", INT_PRESETS)
+def test_every_preset_runs_in_onnx_runtime_like_torch(converted, preset, tmp_path):
+    for name in MODELS:
+        model = converted[(preset, name)]
+        path = tmp_path / f"{name}.onnx"
+        to_onnx(model, (example_batch(name, 0, n=4),), path)
+        result = check_onnx(path, model, (example_batch(name, 6, n=4),))
+        assert result.points == len(_points(model)), name  # each compared bit for bit
+
+
+@pytest.mark.parametrize("preset", INT_PRESETS)
+def test_the_report_lists_every_point_of_every_preset_once(converted, preset):
+    for name in MODELS:
+        model = converted[(preset, name)]
+        rows = q.report(model, (example_batch(name, 7, n=4),), file=None).rows
+        assert sorted(r["point"] for r in rows) == sorted(n.target for n in _points(model)), name
+        weighted = [n for n in model.graph.nodes if n.op == "call_function" and n.target.__name__.split(".")[0]
+                    in WEIGHTED]
+        weight_rows = [r for r in rows if r["role"].startswith("weight of ")]
+        assert sorted(r["role"] for r in weight_rows) == sorted(f"weight of {n.name}" for n in weighted), name
+        assert all(r["sqnr_db"] is not None and r["sqnr_db"] > 10 for r in rows), name
