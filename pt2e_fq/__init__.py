@@ -27,7 +27,7 @@ from .formats import (
 )
 from .granularity import PerBlock, PerChannel, PerGroup, PerTensor, PerToken
 from .observers import CurrentMinMaxObserver, MinMaxObserver, MovingAverageMinMaxObserver, MSEObserver
-from .ops import fake_quantize_affine
+from .ops import fake_quantize_affine, fake_quantize_float, fake_quantize_mx, fake_quantize_nvfp4
 from .qspec import Formulation, QSpec, Scheme
 from . import export  # pt2e_fq.export: .pt2 and ONNX export, conv-bn folding
 from .export import load, save
@@ -39,6 +39,9 @@ __all__ = [
     "report",
     "export",
     "fake_quantize_affine",
+    "fake_quantize_float",
+    "fake_quantize_mx",
+    "fake_quantize_nvfp4",
     "ops",
     "QSpec",
     "Scheme",

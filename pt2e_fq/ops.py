@@ -146,9 +146,12 @@ def _save_mask(ctx, inputs, output):
     # zero tensor of its size for grad_mask on every backward.
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(output[1])
+    # Outputs after the mask (block scales) are statistics of x, not a
+    # function to differentiate: mark them so, rather than return a wrong 0.
+    ctx.mark_non_differentiable(*output[2:])
 
 
-def _ste_backward(ctx, grad_y, grad_mask):
+def _ste_backward(ctx, grad_y):
     if grad_y is None:  # y did not reach the loss
         return None
     (mask,) = ctx.saved_tensors
@@ -157,12 +160,200 @@ def _ste_backward(ctx, grad_y, grad_mask):
 
 def register_ste_autograd(op_name: str, num_inputs: int) -> None:
     """Registers the STE backward for an op whose first input is x and whose
-    outputs are (y, packed mask); the other inputs get no gradient."""
+    outputs are (y, packed mask, *extra) with non-differentiable extras (block
+    scales); the other inputs get no gradient."""
 
-    def backward(ctx, grad_y, grad_mask):
-        return (_ste_backward(ctx, grad_y, grad_mask),) + (None,) * (num_inputs - 1)
+    def backward(ctx, grad_y, *grad_others):
+        return (_ste_backward(ctx, grad_y),) + (None,) * (num_inputs - 1)
 
     torch.library.register_autograd(op_name, backward, setup_context=_save_mask)
 
 
 register_ste_autograd("pt2e_fq::fake_quantize_affine", num_inputs=7)
+
+
+# ---------------------------------------------------------------------------
+# Float formats: FP8 E4M3 / E5M2 and FP4 E2M1 with static scales, and the
+# block-scaled MX and NVFP4 formats whose scales the kernel computes.
+
+# torch dtype -> the element-format name the operators take (a string: a
+# ScalarType argument of torch.float4_e2m1fn_x2 breaks torch.export.save).
+_ELEM_FORMATS = {
+    torch.float8_e4m3fn: "e4m3",
+    torch.float8_e5m2: "e5m2",
+    torch.float4_e2m1fn_x2: "e2m1",
+}
+_FORMAT_NAMES = tuple(_ELEM_FORMATS.values())
+_NVFP4_BLOCK = 16
+
+
+def _elem_format(op: str, what: str, dtype) -> str:
+    allowed = ", ".join(str(d) for d in _ELEM_FORMATS)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{op}: {what} must be a torch.dtype, one of {allowed}; got {dtype!r}")
+    if dtype not in _ELEM_FORMATS:
+        raise ValueError(f"{op}: {what} must be one of {allowed}; got {dtype}")
+    return _ELEM_FORMATS[dtype]
+
+
+def _check_format_name(op: str, what: str, name: str) -> None:
+    if name not in _FORMAT_NAMES:
+        raise ValueError(f"{op}: {what} must be one of {_FORMAT_NAMES}, got {name!r}")
+
+
+def _check_int(op: str, what: str, v) -> None:
+    if not isinstance(v, (int, torch.SymInt)) or isinstance(v, bool):
+        raise TypeError(f"{op}: {what} must be an int, got {type(v).__name__}")
+
+
+def _check_axis_blocks(op: str, x: torch.Tensor, block_size: int, axis: int) -> None:
+    _check_x(op, x)
+    _check_int(op, "block_size", block_size)
+    _check_int(op, "axis", axis)
+    if block_size < 1:
+        raise ValueError(f"{op}: block_size must be >= 1, got {block_size}")
+    if x.dim() == 0:
+        raise ValueError(f"{op}: x must have at least one dimension, got a 0-dim tensor")
+    if not -x.dim() <= axis < x.dim():
+        raise ValueError(
+            f"{op}: axis must be in [{-x.dim()}, {x.dim()}) for x of shape {tuple(x.shape)}, got {axis}"
+        )
+
+
+def _block_scale_shape(x: torch.Tensor, block_size: int, axis: int) -> list:
+    shape = list(x.shape)
+    shape[axis] = -(-shape[axis] // block_size)
+    return shape
+
+
+def _check_float_args(x, block_size, scale, fmt) -> None:
+    op = "pt2e_fq.fake_quantize_float"
+    _check_x(op, x)
+    check_block_size(op, x, block_size)
+    _check_format_name(op, "fmt", fmt)
+    check_qparam(op, "scale", scale, x, reduced_shape(x.shape, block_size))
+    if not scale.dtype.is_floating_point:
+        raise TypeError(f"{op}: scale must be a floating-point tensor, got {scale.dtype}")
+
+
+def _check_nvfp4_args(x, global_scale, axis) -> None:
+    op = "pt2e_fq.fake_quantize_nvfp4"
+    _check_axis_blocks(op, x, _NVFP4_BLOCK, axis)
+    if global_scale is not None:
+        check_qparam(op, "global_scale", global_scale, x, ())
+        if not global_scale.dtype.is_floating_point:
+            raise TypeError(f"{op}: global_scale must be a floating-point tensor, got {global_scale.dtype}")
+
+
+def fake_quantize_float_with_mask(
+    x: torch.Tensor, block_size: Sequence[int], scale: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Like `fake_quantize_float`, and also returns the bit-packed clamp mask."""
+    block_size = list(block_size)
+    fmt = _elem_format("pt2e_fq.fake_quantize_float", "dtype", dtype)
+    _check_float_args(x, block_size, scale, fmt)
+    return torch.ops.pt2e_fq.fake_quantize_float(x, block_size, scale, fmt)
+
+
+def fake_quantize_float(
+    x: torch.Tensor, block_size: Sequence[int], scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """FP8 / FP4 fake quantization with static scales in one fused op
+    (differentiable).
+
+        y = cast_rne(clamp(x / scale, -fmax, fmax)) * scale
+
+    dtype is torch.float8_e4m3fn (fmax 448), torch.float8_e5m2 (57344) or
+    torch.float4_e2m1fn_x2 (E2M1 elements: 0, 0.5, 1, 1.5, 2, 3, 4, 6). The
+    cast rounds to nearest, ties to even, with the format's subnormals.
+    `block_size` and scale are as in `fake_quantize_affine` (per-tensor,
+    per-channel, per-block; ragged last block). The gradient is dy where
+    |x / scale| <= fmax and 0 elsewhere. NaN gives NaN; +-Inf gives
+    +-fmax * scale.
+    """
+    return fake_quantize_float_with_mask(x, block_size, scale, dtype)[0]
+
+
+def fake_quantize_mx_with_scales(
+    x: torch.Tensor, elem_dtype: torch.dtype, block_size: int = 32, axis: int = -1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Like `fake_quantize_mx`, and also returns the block scales: fp32
+    powers of two (exact E8M0 values, NaN for a block with a NaN) of x's
+    shape with `axis` cut to ceil(size / block_size)."""
+    op = "pt2e_fq.fake_quantize_mx"
+    fmt = _elem_format(op, "elem_dtype", elem_dtype)
+    _check_axis_blocks(op, x, block_size, axis)
+    y, _, scales = torch.ops.pt2e_fq.fake_quantize_mx(x, fmt, block_size, axis)
+    return y, scales
+
+
+def fake_quantize_mx(
+    x: torch.Tensor, elem_dtype: torch.dtype, block_size: int = 32, axis: int = -1
+) -> torch.Tensor:
+    """MX fake quantization (OCP Microscaling v1.0) in one fused op
+    (differentiable): MXFP8 with elem_dtype torch.float8_e4m3fn or
+    torch.float8_e5m2, MXFP4 with torch.float4_e2m1fn_x2.
+
+    Per block of `block_size` consecutive elements along `axis` (the last
+    block may be shorter), the kernel computes the E8M0 scale
+        X = 2^clamp(floor(log2(max |x|)) - emax_elem, -127, 127)
+    (emax_elem 8, 15, 2) and returns cast_rne(clamp(x / X, -fmax, fmax)) * X.
+    A block with a NaN is all NaN. The gradient is dy where |x / X| <= fmax.
+    """
+    return fake_quantize_mx_with_scales(x, elem_dtype, block_size, axis)[0]
+
+
+def fake_quantize_nvfp4_with_scales(
+    x: torch.Tensor, global_scale: Optional[torch.Tensor] = None, axis: int = -1
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Like `fake_quantize_nvfp4`, and also returns the E4M3 block scales (as
+    fp32, x's shape with `axis` cut to ceil(size / 16)) and the fp32 global
+    scale used (a 0-dim tensor)."""
+    _check_nvfp4_args(x, global_scale, axis)
+    y, _, block_scales, used_global = torch.ops.pt2e_fq.fake_quantize_nvfp4(x, global_scale, axis)
+    return y, block_scales, used_global
+
+
+def fake_quantize_nvfp4(
+    x: torch.Tensor, global_scale: Optional[torch.Tensor] = None, axis: int = -1
+) -> torch.Tensor:
+    """NVFP4 fake quantization in one fused op (differentiable): E2M1
+    elements in blocks of 16 along `axis`, an E4M3 scale per block under an
+    fp32 global scale g:
+
+        g   = global_scale, or max|x| / (448 * 6) computed in the kernel
+              (1 when that is 0 or Inf)
+        s_b = e4m3_rne_sat(max_block|x| / 6 / g)
+        y   = cast_e2m1(clamp(x / (s_b * g), -6, 6)) * (s_b * g)
+
+    A block whose scale s_b * g is 0 becomes 0 with gradient dy. global_scale
+    must be finite and > 0. The gradient is dy where |x / (s_b * g)| <= 6.
+    """
+    return fake_quantize_nvfp4_with_scales(x, global_scale, axis)[0]
+
+
+@torch.library.register_fake("pt2e_fq::fake_quantize_float")
+def _fake_quantize_float_fake(x, block_size, scale, fmt):
+    _check_float_args(x, block_size, scale, fmt)
+    return _empty_outputs(x)
+
+
+@torch.library.register_fake("pt2e_fq::fake_quantize_mx")
+def _fake_quantize_mx_fake(x, elem_fmt, block_size, axis):
+    op = "pt2e_fq.fake_quantize_mx"
+    _check_format_name(op, "elem_fmt", elem_fmt)
+    _check_axis_blocks(op, x, block_size, axis)
+    scales = x.new_empty(_block_scale_shape(x, block_size, axis), dtype=torch.float32)
+    return _empty_outputs(x) + (scales,)
+
+
+@torch.library.register_fake("pt2e_fq::fake_quantize_nvfp4")
+def _fake_quantize_nvfp4_fake(x, global_scale, axis):
+    _check_nvfp4_args(x, global_scale, axis)
+    scales = x.new_empty(_block_scale_shape(x, _NVFP4_BLOCK, axis), dtype=torch.float32)
+    return _empty_outputs(x) + (scales, x.new_empty((), dtype=torch.float32))
+
+
+register_ste_autograd("pt2e_fq::fake_quantize_float", num_inputs=4)
+register_ste_autograd("pt2e_fq::fake_quantize_mx", num_inputs=4)
+register_ste_autograd("pt2e_fq::fake_quantize_nvfp4", num_inputs=3)

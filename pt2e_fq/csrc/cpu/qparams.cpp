@@ -17,21 +17,31 @@ int64_t num_blocks(const BlockLayout& L) {
   return n;
 }
 
+BlockLayout check_x_and_block_size(const char* op, const at::Tensor& x,
+                                   at::IntArrayRef block_size) {
+  const auto dt = x.scalar_type();
+  TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, op,
+                   ": x must be float32, bfloat16 or float16, got ", dt);
+  TORCH_CHECK_VALUE(static_cast<int64_t>(block_size.size()) == x.dim(), op,
+                    ": block_size needs one entry per dimension of x (", x.dim(), "), got ",
+                    block_size.size());
+  for (size_t d = 0; d < block_size.size(); ++d) {
+    TORCH_CHECK_VALUE(block_size[d] >= 1, op, ": block_size[", d, "] must be >= 1, got ",
+                      block_size[d]);
+  }
+  BlockLayout L;
+  TORCH_CHECK_VALUE(make_block_layout(x.sizes().data(), block_size.data(),
+                                      static_cast<int>(x.dim()), L),
+                    op, ": this block layout has more than ", kMaxLayoutDims,
+                    " non-mergeable dimensions");
+  return L;
+}
+
 AffineInputs prepare_affine_inputs(const at::Tensor& x, at::IntArrayRef block_size,
                                    const at::Tensor& scale,
                                    const c10::optional<at::Tensor>& zero_point, int64_t quant_min,
                                    int64_t quant_max, const c10::optional<at::Tensor>& minval) {
-  const auto dt = x.scalar_type();
-  TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
-                   "pt2e_fq.fake_quantize_affine: x must be float32, bfloat16 or float16, got ",
-                   dt);
-  TORCH_CHECK_VALUE(static_cast<int64_t>(block_size.size()) == x.dim(),
-                    "pt2e_fq.fake_quantize_affine: block_size needs one entry per dimension of x (",
-                    x.dim(), "), got ", block_size.size());
-  for (size_t d = 0; d < block_size.size(); ++d) {
-    TORCH_CHECK_VALUE(block_size[d] >= 1, "pt2e_fq.fake_quantize_affine: block_size[", d,
-                      "] must be >= 1, got ", block_size[d]);
-  }
+  const BlockLayout L = check_x_and_block_size("pt2e_fq.fake_quantize_affine", x, block_size);
   TORCH_CHECK_VALUE(quant_min <= quant_max && quant_min >= kInt16Min && quant_max <= kInt16Max,
                     "pt2e_fq.fake_quantize_affine: need ", kInt16Min,
                     " <= quant_min <= quant_max <= ", kInt16Max, ", got quant_min=", quant_min,
@@ -46,11 +56,6 @@ AffineInputs prepare_affine_inputs(const at::Tensor& x, at::IntArrayRef block_si
                      "pt2e_fq.fake_quantize_affine: zero_point must have an integer dtype, got ",
                      zero_point->scalar_type());
   }
-  BlockLayout L;
-  TORCH_CHECK_VALUE(make_block_layout(x.sizes().data(), block_size.data(),
-                                      static_cast<int>(x.dim()), L),
-                    "pt2e_fq.fake_quantize_affine: this block layout has more than ",
-                    kMaxLayoutDims, " non-mergeable dimensions");
   const int64_t nblocks = num_blocks(L);
   AffineInputs in;
   in.x = x.contiguous();
@@ -71,13 +76,22 @@ AffineQparams affine_qparams(const AffineInputs& in, int64_t quant_min, int64_t 
 }
 
 at::Tensor qparam_as_float(const at::Tensor& x, const at::Tensor& t, const char* name,
-                           int64_t expected_numel) {
-  TORCH_CHECK(t.device() == x.device(), "pt2e_fq.fake_quantize_affine: ", name,
-              " is on ", t.device(), " but x is on ", x.device());
-  TORCH_CHECK_VALUE(t.numel() == expected_numel, "pt2e_fq.fake_quantize_affine: ", name,
+                           int64_t expected_numel, const char* op) {
+  TORCH_CHECK(t.device() == x.device(), op, ": ", name, " is on ", t.device(), " but x is on ",
+              x.device());
+  TORCH_CHECK_VALUE(t.numel() == expected_numel, op, ": ", name,
                     " must have one element per block (", expected_numel, "), got shape ",
                     t.sizes());
   return t.to(at::kFloat).contiguous();
+}
+
+void check_scale_values(const char* op, const char* name, const at::Tensor& scale) {
+  const float* s = scale.data_ptr<float>();
+  for (int64_t b = 0; b < scale.numel(); ++b) {
+    TORCH_CHECK_VALUE(s[b] > 0.0f && s[b] <= std::numeric_limits<float>::max(), op,
+                      ": ", name, " must be finite and > 0, got ", name, "[",
+                      b, "] (flat index) = ", s[b]);
+  }
 }
 
 at::Tensor new_packed_mask(const at::Tensor& x) {

@@ -10,6 +10,12 @@
 
 namespace pt2e_fq {
 
+// Checks x's dtype (float32, bfloat16 or float16) and a block_size with one
+// entry >= 1 per dimension of x, and returns the canonical block layout of x.
+// `op` names the operator in error messages.
+BlockLayout check_x_and_block_size(const char* op, const at::Tensor& x,
+                                   at::IntArrayRef block_size);
+
 // The affine op's inputs after checks, ready for a kernel: contiguous x, the
 // canonical block layout, and per-block qparams as contiguous fp32 (zp and
 // minval undefined when not given).
@@ -32,7 +38,12 @@ AffineQparams affine_qparams(const AffineInputs& in, int64_t quant_min, int64_t 
 // Checks a per-block qparam tensor: same device as x, numel of the layout's
 // block count, and returns it as a contiguous fp32 tensor.
 at::Tensor qparam_as_float(const at::Tensor& x, const at::Tensor& t, const char* name,
-                           int64_t expected_numel);
+                           int64_t expected_numel,
+                           const char* op = "pt2e_fq.fake_quantize_affine");
+
+// Checks on the host that every value of a scale tensor is finite and > 0 (CPU only: reading
+// the values of a CUDA tensor would sync).
+void check_scale_values(const char* op, const char* name, const at::Tensor& scale);
 
 // The number of blocks (scale elements) of a layout.
 int64_t num_blocks(const BlockLayout& L);

@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "float_args.h"
 #include "kernels.h"
 #include "qparams.h"
 
@@ -56,11 +57,89 @@ at::Tensor ste_grad_cuda(const at::Tensor& grad_in, const at::Tensor& mask_in) {
   return dx;
 }
 
+uint32_t* mask_words(at::Tensor& mask) { return reinterpret_cast<uint32_t*>(mask.data_ptr<uint8_t>()); }
+
+// Float formats. As for the affine op, scale values are not checked here.
+std::tuple<at::Tensor, at::Tensor> fake_quantize_float_cuda(const at::Tensor& x_in,
+                                                            at::IntArrayRef block_size,
+                                                            const at::Tensor& scale_in,
+                                                            c10::string_view fmt) {
+  constexpr const char* op = "pt2e_fq.fake_quantize_float";
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const BlockLayout layout = check_x_and_block_size(op, x_in, block_size);
+  const ElemFormat format = parse_elem_format(op, "fmt", std::string(fmt));
+  const at::Tensor scale = qparam_as_float(x_in, scale_in, "scale", num_blocks(layout), op);
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  at::Tensor mask = new_packed_mask(x);
+  C10_CUDA_CHECK(launch_fake_quantize_float(elem_type(x.scalar_type()), format, x.data_ptr(),
+                                            y.data_ptr(), mask_words(mask), x.numel(),
+                                            scale.data_ptr<float>(), layout,
+                                            c10::cuda::getCurrentCUDAStream().stream()));
+  return {y, mask};
+}
+
+// Contiguous x, y, a zeroed mask (the kernels OR bits into it), fp32 scales.
+struct BlockOutputs {
+  at::Tensor x, y, mask, scales;
+};
+
+BlockOutputs new_block_outputs(const at::Tensor& x_in, int64_t axis, const AxisBlocks& A) {
+  BlockOutputs o{x_in.contiguous()};
+  o.y = at::empty_like(o.x, at::MemoryFormat::Contiguous);
+  o.mask = new_packed_mask(o.x).zero_();
+  o.scales = at::empty(block_scale_shape(o.x, axis, A), o.x.options().dtype(at::kFloat));
+  return o;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fake_quantize_mx_cuda(const at::Tensor& x_in,
+                                                                     c10::string_view elem_fmt,
+                                                                     int64_t block_size,
+                                                                     int64_t axis) {
+  constexpr const char* op = "pt2e_fq.fake_quantize_mx";
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const AxisBlocks A = check_axis_blocks(op, x_in, block_size, axis);
+  const ElemFormat format = parse_elem_format(op, "elem_fmt", std::string(elem_fmt));
+  BlockOutputs o = new_block_outputs(x_in, axis, A);
+  C10_CUDA_CHECK(launch_fake_quantize_mx(elem_type(o.x.scalar_type()), format, o.x.data_ptr(),
+                                         o.y.data_ptr(), mask_words(o.mask),
+                                         o.scales.data_ptr<float>(), A,
+                                         c10::cuda::getCurrentCUDAStream().stream()));
+  return {o.y, o.mask, o.scales};
+}
+
+// The global scale stays on the device: given, it is copied into the output;
+// otherwise the kernels compute it from x's amax. No host sync either way.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fake_quantize_nvfp4_cuda(
+    const at::Tensor& x_in, const c10::optional<at::Tensor>& global_scale, int64_t axis) {
+  constexpr const char* op = "pt2e_fq.fake_quantize_nvfp4";
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const AxisBlocks A = check_axis_blocks(op, x_in, 16, axis);
+  BlockOutputs o = new_block_outputs(x_in, axis, A);
+  const auto f32 = o.x.options().dtype(at::kFloat);
+  at::Tensor g, amax;
+  if (global_scale.has_value()) {
+    g = qparam_as_float(x_in, *global_scale, "global_scale", 1, op).reshape({}).clone();
+  } else {
+    g = at::empty({}, f32);
+    amax = at::zeros({1}, o.x.options().dtype(at::kInt));
+  }
+  C10_CUDA_CHECK(launch_fake_quantize_nvfp4(
+      elem_type(o.x.scalar_type()), o.x.data_ptr(), o.y.data_ptr(), mask_words(o.mask),
+      o.scales.data_ptr<float>(), g.data_ptr<float>(),
+      amax.defined() ? reinterpret_cast<uint32_t*>(amax.data_ptr<int32_t>()) : nullptr, A,
+      c10::cuda::getCurrentCUDAStream().stream()));
+  return {o.y, o.mask, o.scales, g};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(pt2e_fq, CUDA, m) {
   m.impl("fake_quantize_affine", &fake_quantize_affine_cuda);
   m.impl("ste_grad", &ste_grad_cuda);
+  m.impl("fake_quantize_float", &fake_quantize_float_cuda);
+  m.impl("fake_quantize_mx", &fake_quantize_mx_cuda);
+  m.impl("fake_quantize_nvfp4", &fake_quantize_nvfp4_cuda);
 }
 
 }  // namespace pt2e_fq::cuda

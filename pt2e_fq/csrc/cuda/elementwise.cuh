@@ -1,6 +1,7 @@
 // Device helpers shared by the CUDA kernels: element types held as raw bits,
-// 16-byte vector loads and stores, the launch shape, and warp-ballot packing
-// of the clamp mask.
+// 16-byte vector loads and stores, the launch shape, warp-ballot packing of
+// the clamp mask, and the kernel of every op whose scales come per block of
+// a BlockLayout (affine, static-scale float formats).
 #pragma once
 
 #include <cuda_fp16.h>
@@ -9,6 +10,7 @@
 #include <cstdint>
 
 #include "kernels.h"
+#include "pt2e_fq/block_layout.h"
 #include "pt2e_fq/float_ops.h"
 
 namespace pt2e_fq::cuda {
@@ -31,6 +33,19 @@ template <>
 __device__ __forceinline__ Bf16 from_f32<Bf16>(float v) { return Bf16{float_to_bf16_bits(v)}; }
 template <>
 __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
+
+// Calls fn(T{}) with T the storage type of `type`.
+template <typename Fn>
+void dispatch_elem_type(ElemType type, const Fn& fn) {
+  switch (type) {
+    case ElemType::kFloat32:
+      return fn(float{});
+    case ElemType::kBFloat16:
+      return fn(Bf16{});
+    case ElemType::kFloat16:
+      return fn(__half{});
+  }
+}
 
 // Elements per 16-byte vector.
 template <typename T>
@@ -109,6 +124,104 @@ __device__ __forceinline__ void write_tile_mask(uint32_t bits, int lane, uint32_
       word |= spread_bits<VEC>(ballots[k] >> (lane * kLanesPerWord)) << k;
     }
     tile_words[lane] = word;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// y = op(x, qparams of x's block) with the packed mask, for any BlockLayout.
+//
+// Each warp takes tiles of 32 * VEC consecutive elements (VEC = 16 bytes of
+// x) in a grid-stride loop with 64-bit indices: one vector load per lane,
+// the shared per-element math, one vector store, and the mask packed with
+// warp ballots. The last, partial tile goes element by element.
+//
+// Op is a small copyable functor: `Params at(int64_t block)` reads a block's
+// qparams, `float apply(float x, const Params&, bool& in_range)` is the math.
+
+// How the elements of one vector find their qparams.
+enum class BlockLookup {
+  kSingle,     // one block for the whole tensor (per-tensor)
+  kPerVector,  // every vector lies inside one block
+  kPerElement  // blocks narrower than a vector, or misaligned
+};
+
+template <typename T, int VEC, typename Op>
+__global__ void __launch_bounds__(kThreads)
+    blockwise_kernel(const T* __restrict__ x, T* __restrict__ y, uint32_t* __restrict__ mask,
+                     int64_t numel, Op op, BlockLayout layout, BlockLookup lookup) {
+  using Params = typename Op::Params;
+  constexpr int kTile = 32 * VEC;
+  const int lane = threadIdx.x & 31;
+  const int64_t first_warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t num_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  const int64_t num_tiles = (numel + kTile - 1) / kTile;
+  const Params single = lookup == BlockLookup::kSingle ? op.at(0) : Params{};
+
+  for (int64_t tile = first_warp; tile < num_tiles; tile += num_warps) {
+    const int64_t base = tile * kTile;
+    if (base + kTile <= numel) {
+      const int64_t i0 = base + static_cast<int64_t>(lane) * VEC;
+      T in[VEC], out[VEC];
+      load_vec<T, VEC>(x + i0, in);
+      Params p = single;
+      if (lookup == BlockLookup::kPerVector) p = op.at(scale_offset(layout, i0));
+      uint32_t bits = 0;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        if (lookup == BlockLookup::kPerElement) p = op.at(scale_offset(layout, i0 + k));
+        bool in_range;
+        out[k] = from_f32<T>(op.apply(to_f32(in[k]), p, in_range));
+        bits |= static_cast<uint32_t>(in_range) << k;
+      }
+      store_vec<T, VEC>(y + i0, out);
+      write_tile_mask<VEC>(bits, lane, mask + base / 32);
+    } else {
+      // Partial tile: lane l takes elements base + 32k + l, so each ballot
+      // is one mask word in element order.
+      for (int k = 0; k < VEC; ++k) {
+        const int64_t word_base = base + 32 * k;
+        if (word_base >= numel) break;  // warp-uniform
+        const int64_t i = word_base + lane;
+        bool in_range = false;
+        if (i < numel) {
+          const Params p = lookup == BlockLookup::kSingle ? single : op.at(scale_offset(layout, i));
+          y[i] = from_f32<T>(op.apply(to_f32(x[i]), p, in_range));
+        }
+        const uint32_t word = __ballot_sync(0xFFFFFFFFu, in_range);
+        if (lane == 0) mask[word_base / 32] = word;
+      }
+    }
+  }
+}
+
+template <typename T, int VEC, typename Op>
+void launch_blockwise_vec(const void* x, void* y, uint32_t* mask, int64_t numel, const Op& op,
+                          const BlockLayout& layout, BlockLookup lookup, cudaStream_t stream) {
+  const int64_t tiles = (numel + 32 * VEC - 1) / (32 * VEC);
+  blockwise_kernel<T, VEC, Op><<<grid_size(tiles * 32), kThreads, 0, stream>>>(
+      static_cast<const T*>(x), static_cast<T*>(y), mask, numel, op, layout, lookup);
+}
+
+// Picks the vector width and the qparam lookup, and launches.
+template <typename T, typename Op>
+void launch_blockwise(const void* x, void* y, uint32_t* mask, int64_t numel, const Op& op,
+                      const BlockLayout& layout, cudaStream_t stream) {
+  constexpr int V = kVec<T>;
+  const int last = layout.ndim - 1;
+  int64_t blocks = 1;
+  for (int d = 0; d < layout.ndim; ++d) blocks *= (layout.size[d] + layout.block[d] - 1) / layout.block[d];
+  // A vector starts at a multiple of V; it stays in one block when rows and
+  // blocks along the last dimension are multiples of V.
+  const bool vector_in_block = layout.size[last] % V == 0 && layout.block[last] % V == 0;
+  const BlockLookup lookup = blocks == 1        ? BlockLookup::kSingle
+                             : vector_in_block ? BlockLookup::kPerVector
+                                               : BlockLookup::kPerElement;
+  if (aligned16(x) && aligned16(y)) {
+    launch_blockwise_vec<T, V>(x, y, mask, numel, op, layout, lookup, stream);
+  } else {
+    launch_blockwise_vec<T, 1>(x, y, mask, numel, op, layout,
+                               lookup == BlockLookup::kPerVector ? BlockLookup::kPerElement : lookup,
+                               stream);
   }
 }
 

@@ -9,6 +9,7 @@
 
 #include "pt2e_fq/affine.h"
 #include "pt2e_fq/block_layout.h"
+#include "pt2e_fq/float_formats.h"
 
 namespace pt2e_fq::cuda {
 
@@ -24,5 +25,26 @@ cudaError_t launch_fake_quantize_affine(ElemType type, const void* x, void* y,
 // dx = packed mask bit ? dy : 0.
 cudaError_t launch_ste_grad(ElemType type, const void* dy, const uint8_t* mask, void* dx,
                             int64_t numel, cudaStream_t stream);
+
+// y = fake_quantize_float(x) with fp32 `scale` per block of `layout`; mask
+// as for the affine op.
+cudaError_t launch_fake_quantize_float(ElemType type, ElemFormat format, const void* x, void* y,
+                                       uint32_t* mask_words, int64_t numel, const float* scale,
+                                       const BlockLayout& layout, cudaStream_t stream);
+
+// MX: per block of `blocks`, E8M0 scale into `scales` ([outer, nblocks,
+// inner], fp32) and fake-quantized elements into y. The mask bits are OR-ed
+// into mask_words, which the caller zeroes.
+cudaError_t launch_fake_quantize_mx(ElemType type, ElemFormat format, const void* x, void* y,
+                                    uint32_t* mask_words, float* scales, const AxisBlocks& blocks,
+                                    cudaStream_t stream);
+
+// NVFP4 (E2M1, blocks of 16): `global_scale` is one fp32 on the device. With
+// amax_scratch (one zeroed device word) it is first computed from x's amax;
+// with nullptr it is read as given. Mask as for MX.
+cudaError_t launch_fake_quantize_nvfp4(ElemType type, const void* x, void* y,
+                                       uint32_t* mask_words, float* scales, float* global_scale,
+                                       uint32_t* amax_scratch, const AxisBlocks& blocks,
+                                       cudaStream_t stream);
 
 }  // namespace pt2e_fq::cuda

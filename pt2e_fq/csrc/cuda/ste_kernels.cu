@@ -49,17 +49,9 @@ void launch_typed(const void* dy, const uint8_t* mask, void* dx, int64_t numel,
 cudaError_t launch_ste_grad(ElemType type, const void* dy, const uint8_t* mask, void* dx,
                             int64_t numel, cudaStream_t stream) {
   if (numel == 0) return cudaSuccess;
-  switch (type) {
-    case ElemType::kFloat32:
-      launch_typed<float>(dy, mask, dx, numel, stream);
-      break;
-    case ElemType::kBFloat16:
-      launch_typed<Bf16>(dy, mask, dx, numel, stream);
-      break;
-    case ElemType::kFloat16:
-      launch_typed<__half>(dy, mask, dx, numel, stream);
-      break;
-  }
+  dispatch_elem_type(type, [&](auto tag) {
+    launch_typed<decltype(tag)>(dy, mask, dx, numel, stream);
+  });
   return cudaGetLastError();
 }
 

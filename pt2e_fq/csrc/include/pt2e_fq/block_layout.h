@@ -88,4 +88,13 @@ PT2E_FQ_HD int64_t scale_offset(const BlockLayout& L, int64_t i) {
   return row_scale_offset(L, i / L.size[last]) + col / L.block[last];
 }
 
+// The layout of the dynamic block-scaled formats (MX, NVFP4): x seen as
+// [outer, len, inner], cut into blocks of `block` consecutive elements along
+// len (the quantization axis); the last block of each run may be shorter.
+// The block scales are contiguous with shape [outer, ceil(len / block), inner].
+struct AxisBlocks {
+  int64_t outer, len, inner, block;
+  PT2E_FQ_HD int64_t blocks_per_axis() const { return (len + block - 1) / block; }
+};
+
 }  // namespace pt2e_fq

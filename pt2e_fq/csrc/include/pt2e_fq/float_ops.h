@@ -115,15 +115,11 @@ PT2E_FQ_HD uint16_t float_to_half_bits(float f) {
 // bfloat16 <-> fp32 by bit manipulation, identical to c10::BFloat16
 // (round to nearest even, NaN becomes the canonical 0x7FC0).
 PT2E_FQ_HD float bf16_bits_to_float(uint16_t bits) {
-  uint32_t u = static_cast<uint32_t>(bits) << 16;
-  float f;
-  memcpy(&f, &u, sizeof(f));
-  return f;
+  return f32_from_bits(static_cast<uint32_t>(bits) << 16);
 }
 
 PT2E_FQ_HD uint16_t float_to_bf16_bits(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof(u));
+  uint32_t u = f32_bits(f);
   if (f != f) return 0x7FC0;
   u += 0x7FFFu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);

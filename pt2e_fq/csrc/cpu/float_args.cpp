@@ -1,0 +1,36 @@
+#include "float_args.h"
+
+namespace pt2e_fq {
+
+ElemFormat parse_elem_format(const char* op, const char* what, const std::string& name) {
+  if (name == "e4m3") return ElemFormat::kE4M3;
+  if (name == "e5m2") return ElemFormat::kE5M2;
+  if (name == "e2m1") return ElemFormat::kE2M1;
+  TORCH_CHECK_VALUE(false, op, ": ", what, " must be one of 'e4m3', 'e5m2', 'e2m1', got '", name,
+                    "'");
+}
+
+AxisBlocks check_axis_blocks(const char* op, const at::Tensor& x, int64_t block_size,
+                             int64_t axis) {
+  const auto dt = x.scalar_type();
+  TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, op,
+                   ": x must be float32, bfloat16 or float16, got ", dt);
+  const int64_t ndim = x.dim();
+  TORCH_CHECK_VALUE(ndim >= 1, op, ": x must have at least one dimension, got a 0-dim tensor");
+  TORCH_CHECK_VALUE(axis >= -ndim && axis < ndim, op, ": axis must be in [", -ndim, ", ", ndim,
+                    ") for x of ", ndim, " dimensions, got ", axis);
+  TORCH_CHECK_VALUE(block_size >= 1, op, ": block_size must be >= 1, got ", block_size);
+  const int64_t a = axis < 0 ? axis + ndim : axis;
+  AxisBlocks A{1, x.size(a), 1, block_size};
+  for (int64_t d = 0; d < a; ++d) A.outer *= x.size(d);
+  for (int64_t d = a + 1; d < ndim; ++d) A.inner *= x.size(d);
+  return A;
+}
+
+std::vector<int64_t> block_scale_shape(const at::Tensor& x, int64_t axis, const AxisBlocks& A) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape[axis < 0 ? axis + x.dim() : axis] = A.blocks_per_axis();
+  return shape;
+}
+
+}  // namespace pt2e_fq
