@@ -12,6 +12,7 @@ from simple_quantizer import ConvBnReluLinear, ConvLinear, LinearConvQuantizer
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e, prepare_qat_pt2e
 
 import pt2e_fq as q
+from pt2e_fq import reference
 
 QAT_SHAPE = (8, 3, 8, 8)
 
@@ -89,3 +90,45 @@ def qat_converted() -> torch.fx.GraphModule:
 
 def fake_quant_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_module" and "activation_post_process" in n.target]
+
+
+class FloatFormatModel(nn.Module):
+    """conv -> flatten -> linear with float-format fake-quant ops called
+    directly (FakeQuantize has no float formats yet): static FP8 scales
+    ("fp8": activations per tensor, weights per output channel), or MX blocks
+    of 32 along the reduction axes ("mx"): the conv's 40 channels and the
+    linear's 48 in-features (ragged last blocks). The linear's input is a
+    relu's output: the case of ORT's ReluQuantRewrite bug."""
+
+    def __init__(self, kind: str, dtype: torch.dtype = torch.float8_e4m3fn):
+        super().__init__()
+        torch.manual_seed(0)
+        self.kind, self.dtype = kind, dtype
+        self.conv = nn.Conv2d(40, 3, 1)
+        self.fc = nn.Linear(48, 5)
+        fmax = reference.FLOAT_FORMATS[dtype][0]
+        self.register_buffer("x_scale", torch.tensor([[[[3.0 / fmax]]]]))
+        self.register_buffer("conv_scale", self.conv.weight.detach().abs().amax((1, 2, 3), keepdim=True) / fmax)
+        self.register_buffer("fc_scale", self.fc.weight.detach().abs().amax(1, keepdim=True) / fmax)
+
+    def _fq(self, t, scale, block_size):
+        if self.kind == "fp8":
+            return q.ops.fake_quantize_float(t, block_size, scale, self.dtype)
+        return q.ops.fake_quantize_mx(t, self.dtype, 32, 1)  # axis 1: conv channels, linear in-features
+
+    def forward(self, x):  # x: (n, 40, 2, 2)
+        x = self._fq(x, self.x_scale, list(x.shape))
+        y = nn.functional.conv2d(x, self._fq(self.conv.weight, self.conv_scale, [1, 40, 1, 1]), self.conv.bias)
+        y = self._fq(torch.relu(y.flatten(1).repeat(1, 4)), self.x_scale.reshape(1, 1), [y.shape[0], 48])  # (n, 48)
+        return nn.functional.linear(y, self._fq(self.fc.weight, self.fc_scale, [1, 48]), self.fc.bias)
+
+
+def float_format_input(seed: int, n: int = 3) -> torch.Tensor:
+    """(n, 40, 2, 2) with the MX edge cases: an all-zero block, exact powers
+    of two as block maxima, tiny and huge magnitudes."""
+    x = batch(seed, (n, 40, 2, 2))
+    x[0, :32] = 0.0
+    x[1, :32] = torch.exp2(torch.randint(-20, 20, (32, 2, 2), generator=torch.Generator().manual_seed(seed)).float())
+    x[2, 32:] *= 1e-30
+    x[-1, :8] *= 1e4
+    return x

@@ -10,7 +10,15 @@ import pytest
 import torch
 import torch.nn as nn
 from onnx import TensorProto
-from quantized_models import QAT_SHAPE, batch, fake_quant_nodes, ptq, qat_converted
+from quantized_models import (
+    QAT_SHAPE,
+    FloatFormatModel,
+    batch,
+    fake_quant_nodes,
+    float_format_input,
+    ptq,
+    qat_converted,
+)
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
 import pt2e_fq as q
@@ -178,6 +186,41 @@ def test_w8a8_file_is_at_most_35_percent_of_the_float_file(tmp_path):
     # A file that to_onnx did not write has no map of its points.
     with pytest.raises(AssertionError, match="no 'pt2e_fq.points' metadata"):
         check_onnx(tmp_path / "float.onnx", float_model, (x,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("kind", ["fp8", "mx"])
+def test_fp8_and_mxfp8_points_run_bit_for_bit(kind, dtype, tmp_path):
+    model = FloatFormatModel(kind, dtype).eval()
+    path = tmp_path / "model.onnx"
+    to_onnx(model, (float_format_input(0),), path)
+    exported = onnx.load(path)
+    fp8 = "FLOAT8E4M3FN" if dtype == torch.float8_e4m3fn else "FLOAT8E5M2"
+    if kind == "fp8":  # weights per output channel
+        assert _weight_dqs(exported) == [(fp8, [3, 40, 1, 1], 0, 0), (fp8, [5, 48], 0, 0)]
+    else:  # weights in blocks of 32 input channels, fp32 power-of-two scales
+        assert _weight_dqs(exported) == [(fp8, [3, 40, 1, 1], 1, 32), (fp8, [5, 48], 1, 32)]
+    assert _activation_types(exported) <= {fp8}
+    x = float_format_input(1)
+    x[1, 35, 0, 0], x[2, 3, 1, 1], x[0, 36, 1, 0] = float("nan"), float("inf"), -float("inf")
+    assert check_onnx(path, model, (x,)).points == 4
+
+
+def test_e2m1_formats_are_refused_with_the_reason(tmp_path):
+    class Point(nn.Module):
+        def __init__(self, fn):
+            super().__init__()
+            self.fn = fn
+
+        def forward(self, x):
+            return self.fn(x)
+
+    fp4 = torch.float4_e2m1fn_x2
+    for fn in (lambda x: q.ops.fake_quantize_float(x, x.shape, torch.ones(1, 1), fp4),
+               lambda x: q.ops.fake_quantize_mx(x, fp4, 32, -1),
+               lambda x: q.ops.fake_quantize_nvfp4(x, None, -1)):
+        with pytest.raises(NotImplementedError, match="neither QuantizeLinear nor DequantizeLinear for FLOAT4E2M1"):
+            to_onnx(Point(fn), (torch.randn(4, 32),), tmp_path / "m.onnx")
 
 
 def test_check_onnx_fails_when_onnx_runtime_and_torch_disagree(tmp_path):

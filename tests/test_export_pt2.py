@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 import torch
-from quantized_models import QAT_SHAPE, batch, ptq, qat_converted
+from quantized_models import QAT_SHAPE, FloatFormatModel, batch, float_format_input, ptq, qat_converted
 
 import pt2e_fq as q
 
@@ -47,6 +47,12 @@ def test_saved_programs_load_in_a_fresh_process_and_run_bit_for_bit(tmp_path):
         q.save(model, (batch(0),), paths[name], dynamic_shapes=dynamic)
         inputs[name] = batch(10, (5, 3, 6, 6))  # another batch size than the example's
         expected[name] = model(inputs[name])
+    for kind in ("fp8", "mx"):  # float-format ops (called directly)
+        model = FloatFormatModel(kind).eval()
+        paths[kind] = tmp_path / f"{kind}.pt2"
+        q.save(model, (float_format_input(0),), paths[kind])
+        inputs[kind] = float_format_input(1)
+        expected[kind] = model(inputs[kind])
     # QAT conv-bn: saved folded; the reference is the program save returns.
     model = qat_converted()
     paths["qat"] = tmp_path / "qat.pt2"

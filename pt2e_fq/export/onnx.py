@@ -18,7 +18,6 @@ import torch
 
 from .program import as_args, exported_program
 
-_MASK_OUTPUT = 1  # output index of the packed clamp mask in every pt2e_fq op
 # ONNX metadata key: a JSON list, per fake-quant point, of the names of its
 # input ("input": null for a weight stored as integers) and output values.
 POINTS_METADATA = "pt2e_fq.points"
@@ -47,15 +46,34 @@ def placeholder_constants(ep: torch.export.ExportedProgram) -> dict[str, torch.T
     return {placeholder: named[target] for placeholder, target in mapping.items() if target in named}
 
 
-def _check_no_mask_use(ep: torch.export.ExportedProgram) -> None:
+def _element_format(node: torch.fx.Node) -> Optional[str]:
+    """The element format ("e4m3", "e5m2", "e2m1") of a float-format op call."""
+    pt2e_fq = torch.ops.pt2e_fq
+    if node.target == pt2e_fq.fake_quantize_float.default:
+        return node.args[3]
+    if node.target == pt2e_fq.fake_quantize_mx.default:
+        return node.args[1]
+    if node.target == pt2e_fq.fake_quantize_nvfp4.default:
+        return "e2m1"
+    return None
+
+
+def _check_exportable(ep: torch.export.ExportedProgram) -> None:
+    """Refuses what the ONNX translation cannot carry: E2M1 elements, and any
+    op output but the fake-quantized values (the clamp mask, MX scales)."""
+    from .onnx_qdq import E2M1_UNSUPPORTED
+
     for node in ep.graph.nodes:
-        if is_fake_quant(node):
-            for user in node.users:
-                if user.args[1] == _MASK_OUTPUT and user.users:
-                    raise NotImplementedError(
-                        f"to_onnx: {user.name}, the clamp mask of {node.name}, is used in the graph; "
-                        "the ONNX export carries the fake-quantized values only"
-                    )
+        if not is_fake_quant(node):
+            continue
+        if _element_format(node) == "e2m1":
+            raise NotImplementedError(f"to_onnx: {node.name} has {E2M1_UNSUPPORTED}")
+        for user in node.users:
+            if user.args[1] != 0 and user.users:
+                raise NotImplementedError(
+                    f"to_onnx: {user.name} (output {user.args[1]} of {node.name}, the clamp mask or block "
+                    "scales) is used in the graph; the ONNX export carries the fake-quantized values only"
+                )
 
 
 def to_onnx(
@@ -80,7 +98,7 @@ def to_onnx(
     if not isinstance(opset, int) or opset < 21:
         raise ValueError(f"to_onnx: opset must be an int >= 21 (int4, int16 and blocked QDQ), got {opset!r}")
     ep = exported_program(model, example_inputs, dynamic_shapes=dynamic_shapes, fold_bn=fold_bn)
-    _check_no_mask_use(ep)
+    _check_exportable(ep)
     points: list = []
     program = torch.onnx.export(
         ep,

@@ -104,6 +104,23 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy()
 
 
+def _tolerance(step: Optional[float], expected: np.ndarray) -> float:
+    if step is not None:
+        return step * _STEP_SLACK
+    finite = np.abs(expected[np.isfinite(expected)])
+    return FLOAT_OUTPUT_RTOL * float(finite.max()) if finite.size else 0.0
+
+
+def _max_abs_diff(got: np.ndarray, expected: np.ndarray) -> float:
+    """max |got - expected|, where equal values (NaN and Inf included) differ
+    by 0 and NaN against a number by inf."""
+    g, e = got.astype(np.float64), expected.astype(np.float64)
+    same = (g == e) | (np.isnan(g) & np.isnan(e))
+    if same.all():
+        return 0.0
+    return float(np.nan_to_num(np.abs(g - e)[~same], nan=np.inf).max())
+
+
 def _node_values(ep: torch.export.ExportedProgram, args) -> dict[str, torch.Tensor]:
     """Every node's value in a run of the program, by node name."""
     values = {}
@@ -145,11 +162,10 @@ def _check_points(model, ep, values) -> int:
         (got,) = session(point, optimized=False).run(None, feeds)
         expected = _numpy(values[y.name])
         if got.dtype != expected.dtype or not np.array_equal(got.view(np.uint8), expected.view(np.uint8)):
-            diff = np.abs(got.astype(np.float64) - expected.astype(np.float64))
             raise AssertionError(
                 f"check_onnx: point {node.name} ({x_name} -> {y.name}) differs from torch in ONNX Runtime "
-                f"on the same input: {int((diff != 0).sum())} of {diff.size} elements, max |diff| "
-                f"{float(np.nanmax(diff)):g}; it must be bit-exact"
+                f"on the same input: {int((got != expected).sum())} of {got.size} elements, max |diff| "
+                f"{_max_abs_diff(got, expected):g}; it must be bit-exact"
             )
         checked += 1
     return checked
@@ -182,10 +198,7 @@ def check_onnx(path: Union[str, os.PathLike], model, inputs, *, atol: Optional[f
     output_node = next(n for n in ep.graph.nodes if n.op == "output")
     expected = [_numpy(values[n.name]) for n in tree_leaves(output_node.args[0])]
     steps = output_steps(onnx_model)
-    tolerances = [
-        atol if atol is not None else (s * _STEP_SLACK if s is not None else FLOAT_OUTPUT_RTOL * np.abs(e).max())
-        for s, e in zip(steps, expected)
-    ]
+    tolerances = [atol if atol is not None else _tolerance(s, e) for s, e in zip(steps, expected)]
     feeds_values = [_numpy(a) for a in tree_leaves(args)]
     diffs = {}
     for optimized in (False, True):
@@ -195,7 +208,7 @@ def check_onnx(path: Union[str, os.PathLike], model, inputs, *, atol: Optional[f
         for k, (g, e, tol) in enumerate(zip(got, expected, tolerances)):
             if g.shape != e.shape or g.dtype != e.dtype:
                 raise AssertionError(f"check_onnx: output {k}: ORT gives {g.dtype}{g.shape}, torch {e.dtype}{e.shape}")
-            diff = float(np.max(np.abs(g.astype(np.float64) - e.astype(np.float64)))) if g.size else 0.0
+            diff = _max_abs_diff(g, e)
             worst = max(worst, diff)
             if not diff <= tol:
                 what = "atol" if atol is not None else ("one quantization step" if steps[k] else "float rounding")

@@ -1,149 +1,69 @@
 """ONNX QuantizeLinear / DequantizeLinear for the pt2e_fq operators: the
-custom translation table that torch.onnx.export(dynamo=True) calls for each
-fake-quant node.
+custom translation table torch.onnx.export(dynamo=True) calls for each
+fake-quant node (opset 21). Where the qparams go: onnx_layout.py.
 
-Integer points (`fake_quantize_affine`) become, with opset-21 ops:
+    weight (x and qparams constant): stored codes -> DequantizeLinear
+    activation: QuantizeLinear -> DequantizeLinear (computed scales: MX)
 
-    weight (x, scale and zero point constant):
-        integer initializer q -> DequantizeLinear
-    activation:
-        [x - minval] -> QuantizeLinear -> [Clip] -> DequantizeLinear [-> clamp] [+ minval]
+The codes of a weight are computed here as the kernel computes them (fp32,
+IEEE division; round half to even for integers, the saturating
+round-to-nearest-even cast for FP8), so the file holds integers or FP8 and
+no float copy.
 
-- dtype: the smallest of int4, uint4, int8, uint8, int16, uint16 that holds
+fake_quantize_affine (integer formats):
+- type: the narrowest of int4, uint4, int8, uint8, int16, uint16 holding
   [quant_min, quant_max]. A narrower range (symmetric narrow, odd widths) is
-  clamped: by an integer Clip between Q and DQ for int8 / uint8, and for the
-  other types (ONNX has no int4 Clip; ONNX Runtime has no int16 Clip kernel)
-  by Max / Min on the dequantized values against DQ(quant_min) and
-  DQ(quant_max), which is the same thing (DQ is monotonic).
-- layout (from the scale's shape and block_size): per-tensor (scalar scale),
-  per-axis (1-D scale, `axis`), or blocked (`axis`, `block_size`; the scale has
-  x's rank). ONNX blocks along one axis only: a constant scale blocked along
-  more axes is expanded along all but the last; a computed (dynamic) scale
-  must not need that.
+  clamped by an integer Clip between Q and DQ for int8 / uint8; for the other
+  types (ONNX has no int4 Clip; ONNX Runtime has no int16 Clip kernel) by
+  Min / Max of the dequantized values against DQ(quant_max) / DQ(quant_min),
+  the same thing since DQ is monotonic.
 - MINVAL: q = round((x - minval) / scale) + quant_min, y = DQ(q) + minval,
-  with zero point quant_min. minval is expanded to x's shape by a
-  DequantizeLinear of ones (in minval's layout), which is exact.
-- x in bfloat16 / float16 is cast to float32 and back: the op computes in fp32.
+  zero point quant_min; minval is repeated to x's shape by a DequantizeLinear
+  of ones in its layout (exact), so per-group minvals stay small.
 
-Constants are recognised by name: at translation time torch.onnx hands over
-values named after the program's placeholders, and `translation_table` gets
-the program's parameters, buffers and constants under those names. The
-integer weight is computed here with torch's IEEE division and round half to
-even, as the kernel does.
+fake_quantize_float (FP8 E4M3FN / E5M2, static scales): Q / DQ to FP8 with
+saturation, as the kernel's saturating cast.
+
+fake_quantize_mx (MXFP8): a weight is stored as FP8 codes with its E8M0 block
+scales as fp32 powers of two (ONNX Runtime rejects a FLOAT8E8M0 scale); an
+activation's scales are computed in the graph exactly as the kernel does:
+X = 2^(floor(log2(max |block|)) - emax_elem) clamped to [2^-127, 2^127],
+floor(log2) by Log, Floor and Pow, corrected by one where Log rounded across
+a power of two.
+
+E2M1 (FP4_E2M1, MXFP4, NVFP4) elements are refused by to_onnx before export
+(E2M1_UNSUPPORTED says why).
+
+x in bfloat16 / float16 is cast to float32 and back: the ops compute in fp32.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Mapping
 
-import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 import torch
 from onnxscript import opset21 as op
 
-from ..blocks import reduced_shape
-from ..reference import expand_blocks
+from .. import ops
+from ..reference import FLOAT_FORMATS, cast_float, expand_blocks
+from .onnx_layout import FP8, Point, constant, int_type, numpy_array
 
-
-@dataclass(frozen=True)
-class IntType:
-    onnx: ir.DataType
-    numpy: type
-    min: int
-    max: int
-
-
-# ONNX integer types a QuantizeLinear can produce in opset 21, narrowest first.
-_INT_TYPES = (
-    IntType(ir.DataType.INT4, ml_dtypes.int4, -8, 7),
-    IntType(ir.DataType.UINT4, ml_dtypes.uint4, 0, 15),
-    IntType(ir.DataType.INT8, np.int8, -128, 127),
-    IntType(ir.DataType.UINT8, np.uint8, 0, 255),
-    IntType(ir.DataType.INT16, np.int16, -(2**15), 2**15 - 1),
-    IntType(ir.DataType.UINT16, np.uint16, 0, 2**16 - 1),
-)
-_INT8 = _INT_TYPES[2]
 _CLIP_TYPES = (ir.DataType.INT8, ir.DataType.UINT8)  # integer Clip that ONNX Runtime runs
+_ELEM_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+E2M1_UNSUPPORTED = (
+    "E2M1 (FP4) elements: ONNX represents them as FLOAT4E2M1 from opset 23 (Q / DQ with block "
+    "scales; NVFP4 as a DequantizeLinear of its E4M3 block scales by the global scale, then of the "
+    "elements), but ONNX Runtime's CPU provider implements neither QuantizeLinear nor "
+    "DequantizeLinear for FLOAT4E2M1, so such a file could not run or be checked; use FP8, MXFP8 "
+    "or an integer format for ONNX"
+)
 
 
-def int_type(quant_min: int, quant_max: int) -> IntType:
-    """The narrowest ONNX integer type that holds [quant_min, quant_max]."""
-    for t in _INT_TYPES:
-        if t.min <= quant_min and quant_max <= t.max:
-            return t
-    raise ValueError(f"to_onnx: no ONNX integer type holds [{quant_min}, {quant_max}]")
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How ONNX Q/DQ apply a scale: kind 'tensor', 'axis' or 'block'."""
-
-    kind: str
-    axis: Optional[int] = None
-    block: Optional[int] = None
-    expand: tuple[int, ...] = ()  # dims along which the scale must be repeated
-
-    @property
-    def attributes(self) -> dict:
-        if self.kind == "tensor":
-            return {}
-        if self.kind == "axis":
-            return {"axis": self.axis}
-        return {"axis": self.axis, "block_size": self.block}
-
-
-def _static(dim) -> Optional[int]:
-    """A dimension or block entry as an int, None when symbolic."""
-    return dim if isinstance(dim, int) else None
-
-
-def layout(x_shape: Sequence, scale_shape: Sequence, block_size: Sequence) -> Layout:
-    """The ONNX layout of a scale of `scale_shape` = ceil(x_shape / block_size)
-    (entries are None where symbolic)."""
-    dims = range(len(scale_shape))
-    varying = [d for d in dims if scale_shape[d] != 1]
-    per_element = [d for d in varying if block_size[d] == 1]
-    blocked = [d for d in varying if block_size[d] != 1]
-    if not varying:
-        return Layout("tensor")
-    if len(varying) == 1 and not blocked:
-        return Layout("axis", axis=varying[0])
-    if blocked:  # along the last blocked dim
-        axis, block = blocked[-1], block_size[blocked[-1]]
-    else:  # per-token-like: one scale per row of a whole (static) dim
-        whole = [d for d in dims if scale_shape[d] == 1 and x_shape[d] is not None]
-        axis = whole[-1] if whole else len(scale_shape) - 1
-        block = x_shape[axis] if whole else 1
-    if block is None:
-        raise NotImplementedError(f"to_onnx: blocked quantization needs a static block size along axis {axis}")
-    # ONNX wants the scale at x's size on every other dim.
-    expand = tuple(d for d in dims if d != axis and d not in per_element and x_shape[d] != 1)
-    return Layout("block", axis=axis, block=block, expand=expand)
-
-
-def _qparam_in_layout(t: torch.Tensor, x_shape, block_size, lay: Layout) -> torch.Tensor:
-    """A constant per-block tensor (reduced shape) in the ONNX layout."""
-    if lay.kind == "tensor":
-        return t.reshape(())
-    if lay.kind == "axis":
-        return t.reshape(-1)
-    if None in x_shape or None in block_size:
-        raise NotImplementedError(f"to_onnx: a blocked scale needs static shapes, got x of shape {x_shape}")
-    red = reduced_shape(x_shape, block_size)
-    shape = [s if d in lay.expand else r for d, (s, r) in enumerate(zip(x_shape, red))]
-    block = [b if d in lay.expand else 1 for d, b in enumerate(block_size)]
-    return expand_blocks(t, shape, block)
-
-
-def _constant(array: np.ndarray):
-    return op.Constant(value=ir.tensor(np.array(array, copy=True, order="C")))
-
-
-def quantize(x: torch.Tensor, block_size, scale, zero_point, quant_min: int, quant_max: int, minval=None):
-    """The integer codes the op rounds x to (fp32, IEEE division, round half to
-    even, clamped), as a float tensor of x's shape."""
+def quantize_int(x: torch.Tensor, block_size, scale, zero_point, quant_min: int, quant_max: int, minval=None):
+    """The integer codes fake_quantize_affine rounds x to, clamped, as a
+    float tensor of x's shape."""
     shape = x.shape
     s = expand_blocks(scale.float(), shape, block_size)
     if minval is not None:
@@ -154,103 +74,147 @@ def quantize(x: torch.Tensor, block_size, scale, zero_point, quant_min: int, qua
     return q.clamp(quant_min, quant_max)
 
 
-class _Point:
-    """One fake_quantize_affine node being translated: its constants, ONNX
-    integer type and layout."""
+def _float32(x):
+    return x if x.dtype == ir.DataType.FLOAT else op.Cast(x, to=ir.DataType.FLOAT)
 
-    def __init__(self, constants: Mapping[str, torch.Tensor], x, block_size, scale, quant_min, quant_max):
-        self.constants = constants
-        self.x_shape = [_static(d) for d in x.shape]
-        self.block_size = [_static(b) for b in block_size]
-        self.layout = layout(self.x_shape, [_static(d) for d in scale.shape], self.block_size)
-        self.itype = int_type(quant_min, quant_max)
-        self.scale_shape: Optional[tuple] = None  # static shape of the scale in layout, when constant
-        self.scale = self.qparam(scale)
 
-    def const(self, value) -> Optional[torch.Tensor]:
-        return None if value is None else self.constants.get(value.name)
+def _as_dtype(y, dtype: ir.DataType):
+    return y if dtype == ir.DataType.FLOAT else op.Cast(y, to=dtype)
 
-    def qparam(self, value, dtype=np.float32):
-        """A qparam (scale, zero point, minval) in the ONNX layout."""
-        lay = self.layout
-        t = self.const(value)
-        if t is not None:
-            t = _qparam_in_layout(t.detach(), self.x_shape, self.block_size, lay).cpu().numpy().astype(dtype)
-            self.scale_shape = self.scale_shape or t.shape
-            return _constant(t)
-        if lay.expand:
-            raise NotImplementedError(
-                f"to_onnx: a computed (dynamic) qparam of shape {list(value.shape)} for x of shape "
-                f"{self.x_shape} would need repeating along dims {list(lay.expand)}; ONNX blocks along "
-                "one axis only"
-            )
-        if lay.kind != "block":
-            value = op.Reshape(value, _constant(np.array([] if lay.kind == "tensor" else [-1], np.int64)))
-        if dtype is not np.float32:
-            value = op.Cast(value, to=ir.DataType.from_numpy(np.dtype(dtype)))
-        return value
 
-    def filled(self, value: int, itype: IntType):
-        """A tensor of the scale's (layout) shape full of `value`."""
-        if self.scale_shape is not None:
-            return _constant(np.full(self.scale_shape, value, itype.numpy))
-        return op.Expand(_constant(np.array(value, itype.numpy)), op.Shape(self.scale))
+# Only y is carried: to_onnx refuses a graph that uses another output (the mask).
+_NO_MASK = np.zeros(0, np.uint8)
 
-    def dequantize(self, q, zero_point):
-        return op.DequantizeLinear(q, self.scale, zero_point, **self.layout.attributes)
 
-    def at_x_shape(self, minval, x_shape):
-        """minval (per block) repeated to x's shape: DQ(ones) in minval's
-        layout, which is exactly minval."""
-        m = self.qparam(minval)
-        ones = op.ConstantOfShape(x_shape, value=ir.tensor(np.array([1], np.int8)))
-        return op.DequantizeLinear(ones, m, self.filled(0, _INT8), **self.layout.attributes)
+def _affine(constants: Mapping[str, torch.Tensor], points: list) -> Callable:
+    def fake_quantize_affine(x, block_size, scale, zero_point, quant_min, quant_max, minval=None):
+        p = Point(constants, x, block_size, scale.shape)
+        p.set_scale(scale)
+        qt = int_type(quant_min, quant_max)
+        if minval is not None:
+            zp = p.filled(quant_min, qt)
+        elif zero_point is None:
+            zp = p.filled(0, qt)
+        else:
+            zp = p.qparam(zero_point, qt)
+        m = p.at_x_shape(minval, p.x_shape_value(x)) if minval is not None else None
+        folded = all(p.const(v) is not None for v in (x, scale, zero_point, minval) if v is not None)
+        if folded:  # a weight: store the integers
+            q = quantize_int(p.const(x), p.block_size, p.const(scale), p.const(zero_point), quant_min, quant_max,
+                             p.const(minval))
+            y = p.dequantize(constant(numpy_array(q, qt)), zp)
+        else:
+            xf = _float32(x)
+            q = p.quantize(xf if m is None else op.Sub(xf, m), zp)
+            narrow = (quant_min, quant_max) != (qt.min, qt.max)
+            if narrow and qt.onnx in _CLIP_TYPES:
+                q = op.Clip(q, constant(np.array(quant_min, qt.numpy)), constant(np.array(quant_max, qt.numpy)))
+            y = p.dequantize(q, zp)
+            if narrow and qt.onnx not in _CLIP_TYPES:
+                lo, hi = (p.dequantize(p.filled(v, qt), zp) for v in (quant_min, quant_max))
+                y = op.Max(op.Min(y, hi), lo)
+        if m is not None:
+            y = op.Add(y, m)
+        y = _as_dtype(y, x.dtype)
+        points.append((None if folded else x, y))
+        return y, constant(_NO_MASK)
+
+    return fake_quantize_affine
+
+
+def _float(constants: Mapping[str, torch.Tensor], points: list) -> Callable:
+    def fake_quantize_float(x, block_size, scale, fmt):
+        qt = FP8[fmt]
+        p = Point(constants, x, block_size, scale.shape)
+        p.set_scale(scale)
+        zp = p.filled(0, qt)
+        folded = p.const(x) is not None and p.const(scale) is not None
+        if folded:
+            s = expand_blocks(p.const(scale).float(), p.const(x).shape, p.block_size)
+            dtype = _ELEM_DTYPES[fmt]
+            q = cast_float(p.const(x).float() / s, dtype).to(dtype)
+            y = p.dequantize(constant(numpy_array(q, qt)), zp)
+        else:
+            y = p.dequantize(p.quantize(_float32(x), zp), zp)
+        y = _as_dtype(y, x.dtype)
+        points.append((None if folded else x, y))
+        return y, constant(_NO_MASK)
+
+    return fake_quantize_float
+
+
+def _mx_scales(xf, p: Point, axis: int, block: int, emax: int):
+    """The E8M0 block scales of x (fp32, x's shape with `axis` cut to
+    ceil(size / block)), computed as the kernel does."""
+    size = p.x_shape[axis]
+    if size is None:
+        raise NotImplementedError(f"to_onnx: MX blocks need a static size along axis {axis}")
+    nblocks = -(-size // block)
+    a = op.Abs(xf)
+    if nblocks * block != size:  # zero-pad the last block: max |x| is unchanged
+        pads = [0] * (2 * len(p.x_shape))
+        pads[len(p.x_shape) + axis] = nblocks * block - size
+        a = op.Pad(a, constant(np.array(pads, np.int64)))
+    shape = op.Shape(a)
+    split = op.Concat(
+        op.Slice(shape, constant(np.array([0], np.int64)), constant(np.array([axis], np.int64))),
+        constant(np.array([nblocks, block], np.int64)),
+        op.Slice(shape, constant(np.array([axis + 1], np.int64)), constant(np.array([len(p.x_shape)], np.int64))),
+        axis=0,
+    )
+    blocks = op.Reshape(a, split)
+    within = constant(np.array([axis + 1], np.int64))
+    amax = op.ReduceMax(blocks, within, keepdims=0)
+    # ORT's ReduceMax gives NaN only when the NaN comes first; the kernel's amax
+    # (and so the whole block) is NaN wherever it is.
+    has_nan = op.Greater(op.ReduceMax(op.Cast(op.IsNaN(blocks), to=ir.DataType.FLOAT), within, keepdims=0),
+                         constant(np.array(0.0, np.float32)))
+    # 2^floor(log2(amax)): Log is not exact near powers of two; one correction each way makes it so.
+    two = constant(np.array(2.0, np.float32))
+    pow2 = op.Pow(two, op.Floor(op.Div(op.Log(amax), constant(np.array(np.log(2.0), np.float32)))))
+    pow2 = op.Where(op.Greater(pow2, amax), op.Div(pow2, two), pow2)
+    pow2 = op.Where(op.LessOrEqual(op.Mul(pow2, two), amax), op.Mul(pow2, two), pow2)
+    scale = op.Mul(pow2, constant(np.array(2.0**-emax, np.float32)))  # exact: a power of two >= 2^-149
+    scale = op.Min(op.Max(scale, constant(np.array(2.0**-127, np.float32))), constant(np.array(2.0**127, np.float32)))
+    return op.Where(has_nan, constant(np.array(np.nan, np.float32)), scale)  # a block with NaN is all NaN
+
+
+def _mx(constants: Mapping[str, torch.Tensor], points: list) -> Callable:
+    def fake_quantize_mx(x, elem_fmt, block_size, axis):
+        qt = FP8[elem_fmt]
+        axis = axis % len(x.shape)
+        blocks = [block_size if d == axis else 1 for d in range(len(x.shape))]
+        scale_shape = [(-(-s // block_size) if d == axis else s) if isinstance(s, int) else s
+                       for d, s in enumerate(x.shape)]
+        p = Point(constants, x, blocks, scale_shape)
+        xc = p.const(x)
+        dtype = _ELEM_DTYPES[elem_fmt]
+        if xc is not None:  # a weight: FP8 codes and the block scales the kernel computes
+            _, scales = ops.fake_quantize_mx_with_scales(xc.detach(), dtype, block_size, axis)
+            p.set_scale(scales)
+            s = expand_blocks(scales, xc.shape, blocks)
+            q = cast_float(xc.float() / s, dtype).to(dtype)
+            y = p.dequantize(constant(numpy_array(q, qt)), p.filled(0, qt))
+        else:
+            xf = _float32(x)
+            p.set_scale(_mx_scales(xf, p, axis, block_size, FLOAT_FORMATS[dtype][1]))
+            zp = p.filled(0, qt)
+            y = p.dequantize(p.quantize(xf, zp), zp)
+        y = _as_dtype(y, x.dtype)
+        points.append((None if xc is not None else x, y))
+        return y, constant(_NO_MASK), constant(np.zeros(0, np.float32))  # only y is carried
+
+    return fake_quantize_mx
 
 
 def translation_table(constants: Mapping[str, torch.Tensor], points: list) -> dict[Callable, Callable]:
     """{pt2e_fq op: onnxscript translation}; `constants` maps the program's
     placeholder names to their tensors (parameters, buffers, constants).
     Each translation appends to `points` its (input, output) ONNX values,
-    input None where x was a constant folded into the file."""
-
-    def fake_quantize_affine(x, block_size, scale, zero_point, quant_min, quant_max, minval=None):
-        p = _Point(constants, x, block_size, scale, quant_min, quant_max)
-        it = p.itype
-        if minval is not None:
-            zp = p.filled(quant_min, it)
-        elif zero_point is None:
-            zp = p.filled(0, it)
-        else:
-            zp = p.qparam(zero_point, it.numpy)
-        dtype = x.dtype
-        if all(s is not None for s in p.x_shape):
-            x_shape = _constant(np.array(p.x_shape, np.int64))
-        else:
-            x_shape = op.Shape(x)
-        m = p.at_x_shape(minval, x_shape) if minval is not None else None
-        consts = [p.const(v) for v in (x, scale, zero_point, minval) if v is not None]
-        folded = all(c is not None for c in consts)
-        if folded:  # a weight: store the integers
-            q = quantize(p.const(x).detach(), p.block_size, p.const(scale), p.const(zero_point),
-                         quant_min, quant_max, p.const(minval))
-            y = p.dequantize(_constant(q.cpu().numpy().astype(it.numpy)), zp)
-        else:
-            xf = x if dtype == ir.DataType.FLOAT else op.Cast(x, to=ir.DataType.FLOAT)
-            if m is not None:
-                xf = op.Sub(xf, m)
-            q = op.QuantizeLinear(xf, p.scale, zp, **p.layout.attributes)
-            narrow = (quant_min, quant_max) != (it.min, it.max)
-            if narrow and it.onnx in _CLIP_TYPES:
-                q = op.Clip(q, _constant(np.array(quant_min, it.numpy)), _constant(np.array(quant_max, it.numpy)))
-            y = p.dequantize(q, zp)
-            if narrow and it.onnx not in _CLIP_TYPES:
-                lo, hi = (p.dequantize(p.filled(v, it), zp) for v in (quant_min, quant_max))
-                y = op.Max(op.Min(y, hi), lo)
-        if m is not None:
-            y = op.Add(y, m)
-        if dtype != ir.DataType.FLOAT:
-            y = op.Cast(y, to=dtype)
-        points.append((None if folded else x, y))
-        return y, _constant(np.zeros(0, np.uint8))  # the clamp mask is not carried (see to_onnx)
-
-    return {torch.ops.pt2e_fq.fake_quantize_affine.default: fake_quantize_affine}
+    input None where x was a constant stored as codes."""
+    pt2e_fq = torch.ops.pt2e_fq
+    return {
+        pt2e_fq.fake_quantize_affine.default: _affine(constants, points),
+        pt2e_fq.fake_quantize_float.default: _float(constants, points),
+        pt2e_fq.fake_quantize_mx.default: _mx(constants, points),
+    }
