@@ -64,11 +64,18 @@ class _Run(torch.fx.Interpreter):
             self.calls.current = None
 
 
-def _qparams(func, args) -> dict[str, Optional[torch.Tensor]]:
-    """The qparams an op call applied (by the op's schema argument names)."""
-    names = [a.name for a in func._schema.arguments]
-    values = dict(zip(names, args))
-    return {k: values.get(k) for k in ("scale", "zero_point", "minval")}
+def _qparams(func, args, out, elem_bits: float) -> tuple[dict[str, Optional[torch.Tensor]], float]:
+    """The qparams an op call applied (scale, zero_point, minval; None where
+    it has none) and the bytes they take stored: fp32 scales and minvals,
+    zero points at the element width, MX's E8M0 and NVFP4's E4M3 block scales
+    one byte each (NVFP4's element scale is block scale x global scale)."""
+    if func == torch.ops.pt2e_fq.fake_quantize_mx.default:
+        return {"scale": out[2], "zero_point": None, "minval": None}, out[2].numel()
+    if func == torch.ops.pt2e_fq.fake_quantize_nvfp4.default:
+        return {"scale": out[2] * out[3], "zero_point": None, "minval": None}, out[2].numel() + 4
+    values = dict(zip([a.name for a in func._schema.arguments], args))
+    qp = {k: values.get(k) for k in ("scale", "zero_point", "minval")}
+    return qp, _bytes(qp["scale"], 32) + _bytes(qp["zero_point"], elem_bits) + _bytes(qp["minval"], 32)
 
 
 def _is_constant(node: torch.fx.Node) -> bool:
@@ -108,7 +115,7 @@ def role(point: torch.fx.Node) -> tuple[str, str]:
 
 
 def _bits(fmt) -> float:
-    """Storage bits per element (MX / NVFP4 block scales counted apart)."""
+    """Storage bits per element (scales counted apart)."""
     if isinstance(fmt, IntFormat):
         return fmt.bits
     return 4 if fmt.elem_dtype == torch.float4_e2m1fn_x2 else 8
@@ -203,16 +210,13 @@ def report(model: torch.fx.GraphModule, example_inputs, *, file=sys.stdout) -> R
         if name in calls.calls and x is not None:
             func, op_args, out = calls.calls[name]
             y, packed = out[0], out[1]
-            qp = _qparams(func, op_args)
+            bits = _bits(spec.format)
+            qp, qparam_bytes = _qparams(func, op_args, out, bits)
             row.update(scale=_range(qp["scale"]), zero_point=_range(qp["zero_point"]), minval=_range(qp["minval"]))
             row["clipped"] = 1.0 - unpack_mask(packed, x.shape).float().mean().item() if x.numel() else 0.0
             row["sqnr_db"] = _sqnr_db(x, y)
             if point_role.startswith(("weight", "bias")):
-                bits = _bits(spec.format)
-                zp_bits = bits if isinstance(spec.format, IntFormat) else 0
-                quantized = _bytes(x, bits) + _bytes(qp["scale"], 32) + _bytes(qp["zero_point"], zp_bits) \
-                    + _bytes(qp["minval"], 32)
-                result.quantized_weight_bytes += quantized - x.numel() * x.element_size()
+                result.quantized_weight_bytes += _bytes(x, bits) + qparam_bytes - x.numel() * x.element_size()
         result.rows.append(row)
     if file is not None:
         print(result.table(), file=file)
