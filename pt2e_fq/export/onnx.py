@@ -28,7 +28,8 @@ def is_fake_quant(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and str(node.target).startswith("pt2e_fq.")
 
 
-def require_onnx():
+def require_onnx() -> None:
+    """Raises a clear ImportError when the `onnx` extra is missing."""
     try:
         import onnxruntime  # noqa: F401
         import onnxscript  # noqa: F401
