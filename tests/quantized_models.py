@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import subprocess
+import sys
+import textwrap
 
 import torch
 import torch.nn as nn
@@ -86,6 +89,22 @@ def _qat_converted() -> torch.fx.GraphModule:
 def qat_converted() -> torch.fx.GraphModule:
     """qat_prepared() through convert_pt2e, in eval mode (a fresh copy)."""
     return copy.deepcopy(_qat_converted())
+
+
+def run_in_fresh_process(paths: dict, inputs: dict) -> dict:
+    """Loads each .pt2 file (name -> path) in a fresh Python that imports only
+    torch and pt2e_fq, runs it on its input (name -> tensor) and returns the
+    outputs by name."""
+    for name, path in paths.items():
+        torch.save(inputs[name], f"{path}.in")
+    script = textwrap.dedent(f"""
+        import torch, pt2e_fq
+        for path in {[str(p) for p in paths.values()]!r}:
+            torch.save(pt2e_fq.load(path).module()(torch.load(path + ".in")), path + ".out")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {name: torch.load(f"{path}.out") for name, path in paths.items()}
 
 
 def fake_quant_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:

@@ -7,12 +7,9 @@ presets: as far as FakeQuantize and ONNX Runtime support them."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
+from quantized_models import run_in_fresh_process
 from quantizer_models import MODELS, build, example_batch, prepare, single_thread  # noqa: F401
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
@@ -42,23 +39,14 @@ def converted():
 
 
 def test_every_preset_round_trips_through_pt2_in_a_fresh_process(converted, tmp_path):
-    paths, expected = {}, {}
+    paths, inputs, expected = {}, {}, {}
     for (preset, name), model in converted.items():
         key = f"{preset}-{name}"
-        paths[key] = str(tmp_path / f"{key}.pt2")
+        paths[key] = tmp_path / f"{key}.pt2"
         q.save(model, (example_batch(name, 0, n=4),), paths[key])
-        x = example_batch(name, 5, n=4)
-        torch.save(x, paths[key] + ".in")
-        expected[key] = model(x)
-    script = textwrap.dedent(f"""
-        import torch, pt2e_fq
-        for path in {list(paths.values())!r}:
-            torch.save(pt2e_fq.load(path).module()(torch.load(path + ".in")), path + ".out")
-    """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    for key, path in paths.items():
-        loaded = torch.load(path + ".out")
+        inputs[key] = example_batch(name, 5, n=4)
+        expected[key] = model(inputs[key])
+    for key, loaded in run_in_fresh_process(paths, inputs).items():
         assert torch.equal(loaded.view(torch.int32), expected[key].view(torch.int32)), key
 
 

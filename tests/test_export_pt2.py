@@ -3,13 +3,17 @@ only pt2e_fq was imported and runs bit for bit like the model."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
-from quantized_models import QAT_SHAPE, FloatFormatModel, batch, float_format_input, ptq, qat_converted
+from quantized_models import (
+    QAT_SHAPE,
+    FloatFormatModel,
+    batch,
+    float_format_input,
+    ptq,
+    qat_converted,
+    run_in_fresh_process,
+)
 
 import pt2e_fq as q
 
@@ -20,22 +24,6 @@ PTQ = {
         q.QSpec(q.INT4, q.PerGroup(16), "asymmetric", "minval"),
     ),
 }
-
-
-def _run_elsewhere(paths: dict, inputs: dict, tmp_path) -> dict:
-    """Loads each file in a fresh Python that imports only torch and pt2e_fq,
-    runs it on its input and returns the outputs."""
-    for name, x in inputs.items():
-        torch.save(x, tmp_path / f"{name}.in")
-    script = textwrap.dedent(f"""
-        import sys, torch, pt2e_fq
-        for name, path in {({k: str(v) for k, v in paths.items()})!r}.items():
-            x = torch.load({str(tmp_path)!r} + f"/{{name}}.in")
-            torch.save(pt2e_fq.load(path).module()(x), path + ".out")
-    """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return {name: torch.load(str(path) + ".out") for name, path in paths.items()}
 
 
 def test_saved_programs_load_in_a_fresh_process_and_run_bit_for_bit(tmp_path):
@@ -61,7 +49,7 @@ def test_saved_programs_load_in_a_fresh_process_and_run_bit_for_bit(tmp_path):
     assert not any(n.target == torch.ops.aten.batch_norm.default for n in ep.graph.nodes)
     expected["qat"] = ep.module()(inputs["qat"])
 
-    loaded = _run_elsewhere(paths, inputs, tmp_path)
+    loaded = run_in_fresh_process(paths, inputs)
     for name in paths:
         assert torch.equal(loaded[name].view(torch.int32), expected[name].view(torch.int32)), name
 
