@@ -13,7 +13,7 @@ NVCC ?= nvcc
 CUDA_HOME ?= /usr/local/cuda
 CUDA_ARCHS ?= 80 90
 
-.PHONY: setup test bench bench-float demo cuda-check clean
+.PHONY: setup test bench demo cuda-check clean
 
 setup: $(STAMP)
 
@@ -29,9 +29,6 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_ops.py
-
-bench-float: $(STAMP)
-	$(PY) benchmarks/bench_float.py
 
 demo:
 	@echo "make demo arrives with the CLI (issue: the main job); run 'make test' for now." && exit 1

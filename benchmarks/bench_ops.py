@@ -3,8 +3,9 @@
 Each case pairs our op with one baseline on the same inputs and prints, per
 implementation: forward ms, forward+backward ms (medians), forward GB/s,
 the bytes autograd saves for backward, and our speed-up over the baseline
-measured in the same run. Add a case (say a float format or MX) by appending
-to CASES.
+measured in the same run. Cases: integer affine against ATen and torchao;
+FP8 against the eager torch composite; MXFP4 and NVFP4 against torchao's
+Python quantize-dequantize. Add a case by appending to CASES.
 
     python benchmarks/bench_ops.py [--device cpu|cuda] [--repeats N] [--quick] [--threads N]
 """
@@ -41,6 +42,7 @@ class Case:
     make: Callable[[torch.Tensor], dict]
     ours: Callable[[torch.Tensor, dict], torch.Tensor]
     baseline: Callable[[torch.Tensor, dict], torch.Tensor]
+    max_repeats: int | None = None  # for baselines that take a second a call
 
 
 def affine_qparams(x, block_size, qrange):
@@ -71,6 +73,43 @@ def torchao_affine(x, p):
                                  p["qmin"], p["qmax"])
 
 
+E4M3, E2M1 = torch.float8_e4m3fn, torch.float4_e2m1fn_x2
+
+
+def fp8_qparams(x):
+    return dict(scale=(x.detach().float().abs().amax() / 448).reshape(()))
+
+
+def ours_fp8(x, p):
+    return pt2e_fq.ops.fake_quantize_float(x, list(x.shape), p["scale"], E4M3)
+
+
+def torch_fp8_composite(x, p):
+    """The eager torch recipe: div, clamp, to(fp8), to(x.dtype), mul."""
+    return torch.clamp(x / p["scale"], -448.0, 448.0).to(E4M3).to(x.dtype) * p["scale"]
+
+
+def straight_through(qdq):
+    """torchao's MX / NVFP4 functions are not differentiable: the usual
+    x + (qdq(x) - x).detach() saves nothing, but also passes the gradient of
+    clamped elements (ours saves the 1-bit mask and zeroes them)."""
+    return lambda x, p: x + (qdq(x.detach()) - x).detach()
+
+
+def torchao_mxfp4(x):
+    from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx
+
+    scale, data = to_mx(x, E2M1, 32)
+    return to_dtype(data, scale, E2M1, 32, x.dtype)
+
+
+def torchao_nvfp4(x):
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+
+    global_scale = per_tensor_amax_to_scale(x.abs().amax())
+    return NVFP4Tensor.to_nvfp4(x, per_tensor_scale=global_scale).dequantize(x.dtype)
+
+
 CASES = [
     Case("per-tensor int8", "torch.fake_quantize_per_tensor_affine",
          lambda x: affine_qparams(x, x.shape, INT8), ours, aten_per_tensor),
@@ -78,6 +117,14 @@ CASES = [
          lambda x: affine_qparams(x, (1, x.shape[1]), INT8), ours, aten_per_channel),
     Case("per-group 32 int4", "torchao _fake_quantize_affine",
          lambda x: affine_qparams(x, (1, 32), INT4), ours, torchao_affine),
+    Case("FP8 E4M3 per-tensor", "torch composite (div, clamp, to fp8, to x.dtype, mul)",
+         fp8_qparams, ours_fp8, torch_fp8_composite),
+    Case("MXFP4 (E2M1, block 32)", "torchao to_mx / to_dtype",
+         lambda x: {}, lambda x, p: pt2e_fq.ops.fake_quantize_mx(x, E2M1), straight_through(torchao_mxfp4),
+         max_repeats=3),
+    Case("NVFP4 (block 16)", "torchao NVFP4Tensor",
+         lambda x: {}, lambda x, p: pt2e_fq.ops.fake_quantize_nvfp4(x), straight_through(torchao_nvfp4),
+         max_repeats=5),
 ]
 
 
@@ -163,7 +210,8 @@ def run(device: str, dtypes, repeats: int):
         x = torch.randn(SHAPE, device=device).to(dtype)
         for case in CASES:
             p = case.make(x)
-            mine, base = measure([case.ours, case.baseline], x, p, repeats, sync)
+            n = min(repeats, case.max_repeats or repeats)
+            mine, base = measure([case.ours, case.baseline], x, p, n, sync)
             rows.append(row(case.name, "pt2e_fq", dtype, mine, x.numel(), base))
             rows.append(row(case.name, case.baseline_name, dtype, base, x.numel()))
     return rows

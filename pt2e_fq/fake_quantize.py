@@ -39,16 +39,21 @@ def _fake_quantize_int(spec: QSpec, x: torch.Tensor, block_size, qparams: dict) 
     )
 
 
-# The ops float formats need; they arrive with the float-formats issue.
-_FLOAT_OPS = {
-    FloatFormat.FP8_E4M3: "fake_quantize_float",
-    FloatFormat.FP8_E5M2: "fake_quantize_float",
-    FloatFormat.FP4_E2M1: "fake_quantize_float",
-    FloatFormat.MXFP8_E4M3: "fake_quantize_mx",
-    FloatFormat.MXFP8_E5M2: "fake_quantize_mx",
-    FloatFormat.MXFP4: "fake_quantize_mx",
-    FloatFormat.NVFP4: "fake_quantize_nvfp4",
-}
+def _fake_quantize_float(spec: QSpec, x: torch.Tensor, block_size, qparams: dict) -> torch.Tensor:
+    """FP8 / FP4 with an observed (static) or live (dynamic) scale per block."""
+    return ops.fake_quantize_float(x, block_size, qparams["scale"], spec.format.elem_dtype)
+
+
+def _fake_quantize_mx(spec: QSpec, x: torch.Tensor, block_size, qparams: dict) -> torch.Tensor:
+    """MX: the kernel computes every block's E8M0 scale; no qparams."""
+    g = spec.granularity  # PerGroup(32, axis), checked by the QSpec
+    return ops.fake_quantize_mx(x, spec.format.elem_dtype, g.group_size, g.axis)
+
+
+def _fake_quantize_nvfp4(spec: QSpec, x: torch.Tensor, block_size, qparams: dict) -> torch.Tensor:
+    """NVFP4: the block scales come from the kernel under the observed global
+    scale (a one-element tensor), or under one the kernel computes (dynamic)."""
+    return ops.fake_quantize_nvfp4(x, qparams.get("global_scale"), spec.granularity.axis)
 
 
 def fake_quantizer(fmt):
@@ -56,13 +61,9 @@ def fake_quantizer(fmt):
     fn(spec, x, block_size, qparams) -> y."""
     if isinstance(fmt, IntFormat):
         return _fake_quantize_int
-    # Float formats: add the calls to ops.fake_quantize_float(x, block_size,
-    # scale, dtype), ops.fake_quantize_mx(x, elem_dtype, block_size, axis) and
-    # ops.fake_quantize_nvfp4(x, global_scale, axis) here.
-    raise NotImplementedError(
-        f"FakeQuantize: format {fmt.name} needs pt2e_fq.ops.{_FLOAT_OPS[fmt]}, which this build "
-        "does not have yet; integer formats are supported"
-    )
+    if fmt is FloatFormat.NVFP4:
+        return _fake_quantize_nvfp4
+    return _fake_quantize_mx if fmt.block_scaled else _fake_quantize_float
 
 
 class FakeQuantize(FakeQuantizeBase):

@@ -19,7 +19,6 @@ from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, Quantize
 
 from pt2e_fq import QSpec
 from pt2e_fq.blocks import reduced_shape
-from pt2e_fq.fake_quantize import fake_quantizer
 
 from .config import OP_CONFIG_KEYS, QuantizerConfig
 from .plan import Plan, PlannedInput, Point, build_plan, module_stack, node_or_edge_name
@@ -113,10 +112,6 @@ class FakeQuantQuantizer(Quantizer):
         if dtype not in SUPPORTED_DTYPES:
             allowed = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
             return f"the tensor is {dtype}; fake quantization takes {allowed}"
-        try:
-            fake_quantizer(spec.format)
-        except NotImplementedError as e:
-            return str(e)
         try:
             spec.granularity.block_size(shape)
             qparams = _qparam_shape(spec, shape)

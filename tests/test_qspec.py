@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torchao.quantization.pt2e import MinMaxObserver as TorchaoMinMaxObserver
+from torchao.quantization.pt2e import disable_observer
 from torchao.quantization.pt2e.quantizer import QuantizationSpec
 
 import pt2e_fq as q
@@ -109,7 +110,6 @@ def test_qspec_accepts_enum_names_as_strings_and_is_hashable():
 
 
 def test_float_formats_are_valid_specs():
-    """The spec side of the float formats is complete; only the ops are missing."""
     q.QSpec(q.FP8_E4M3, q.PerChannel(0))
     q.QSpec(q.FP8_E5M2, dynamic=True)
     q.QSpec(q.FP4_E2M1, q.PerGroup(16), observer=q.MSEObserver())
@@ -128,10 +128,15 @@ def test_float_formats_are_valid_specs():
         (q.NVFP4, q.PerGroup(16), "fake_quantize_nvfp4"),
     ],
 )
-def test_fake_quantize_for_a_float_format_says_which_op_is_missing(fmt, granularity, op):
+def test_fake_quantize_of_a_float_format_is_one_call_of_its_op(fmt, granularity, op):
     spec = q.QSpec(fmt, granularity, dynamic=fmt.block_scaled)
-    with pytest.raises(NotImplementedError, match=f"needs pt2e_fq.ops.{op}"):
-        spec.to_quantization_spec().observer_or_fake_quant_ctr()
+    fq = spec.to_quantization_spec().observer_or_fake_quant_ctr()
+    x = torch.randn(SHAPE)
+    fq(x)  # calibrate a static point
+    fq.apply(disable_observer)
+    ep = torch.export.export(fq, (x,))
+    calls = [n.target for n in ep.graph.nodes if n.op == "call_function" and "pt2e_fq" in str(n.target)]
+    assert calls == [getattr(torch.ops.pt2e_fq, op).default]
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,6 @@ PRESET_SPECS = {
     "mxfp4": (q.QSpec(q.MXFP4, q.PerGroup(32, -1), dynamic=True), q.QSpec(q.MXFP4, q.PerGroup(32, 1), dynamic=True)),
     "nvfp4": (q.QSpec(q.NVFP4, q.PerGroup(16, -1)), q.QSpec(q.NVFP4, q.PerGroup(16, 1), observer=CMM)),
 }
-INTEGER_PRESETS = ("w8a8", "w4a8", "w4a16", "w8a16")
 
 
 def _spec_text(spec):
@@ -84,9 +83,8 @@ def _mlp_expected(act, weight):
 def test_mlp_points_of_every_preset(preset):
     expected = _mlp_expected(*PRESET_SPECS[preset])
     assert annotated(_annotate(presets.get_preset(preset))) == expected
-    if preset in INTEGER_PRESETS:  # float formats: prepare needs the float ops (see test_float_presets_*)
-        gm = prepare(build("mlp"), example_batch("mlp", 0), FakeQuantQuantizer(presets.get_preset(preset)))
-        assert prepared_points(gm) == sorted(((t, s) for (t, _), s in expected.items()), key=str)
+    gm = prepare(build("mlp"), example_batch("mlp", 0), FakeQuantQuantizer(presets.get_preset(preset)))
+    assert prepared_points(gm) == sorted(((t, s) for (t, _), s in expected.items()), key=str)
 
 
 def test_module_name_regex_override_and_none_skip():
@@ -132,11 +130,10 @@ def test_fake_quant_module_counts(name):
     for preset, count in COUNTS[name].items():
         own = [s for s in annotated(_annotate(presets.get_preset(preset), name)).values() if isinstance(s, q.QSpec)]
         assert len(own) == count, preset
-        if preset in INTEGER_PRESETS:
-            for qat in (False, True) if name != "cnn" or preset == "w8a8" else (False,):
-                model = build(name, train=qat)
-                gm = prepare(model, example_batch(name, 0), FakeQuantQuantizer(presets.get_preset(preset)), qat=qat)
-                assert len(fake_quant_modules(gm)) == count, (preset, qat)
+        for qat in (False, True) if name != "cnn" or preset == "w8a8" else (False,):
+            model = build(name, train=qat)
+            gm = prepare(model, example_batch(name, 0), FakeQuantQuantizer(presets.get_preset(preset)), qat=qat)
+            assert len(fake_quant_modules(gm)) == count, (preset, qat)
 
 
 def test_qat_conv_bn_relu_is_quantized_after_the_relu_and_the_bn():
