@@ -112,8 +112,8 @@ def fake_quant_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
 
 
 class FloatFormatModel(nn.Module):
-    """conv -> flatten -> linear with float-format fake-quant ops called
-    directly (FakeQuantize has no float formats yet): static FP8 scales
+    """conv -> flatten -> linear with the float-format fake-quant ops called
+    directly, on hand-picked edge cases (float_format_input): static FP8 scales
     ("fp8": activations per tensor, weights per output channel), or MX blocks
     of 32 along the reduction axes ("mx"): the conv's 40 channels and the
     linear's 48 in-features (ragged last blocks). The linear's input is a
