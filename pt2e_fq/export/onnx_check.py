@@ -59,7 +59,7 @@ class OnnxCheck:
     tolerance: float
 
 
-def session(model_or_path, optimized: bool):
+def _session(model_or_path, optimized: bool):
     """An ONNX Runtime CPU session with the optimizer workarounds applied."""
     import onnxruntime as ort
 
@@ -76,7 +76,7 @@ def session(model_or_path, optimized: bool):
     )
 
 
-def output_steps(model) -> list[Optional[float]]:
+def _output_steps(model) -> list[Optional[float]]:
     """Per graph output: the largest scale of the DequantizeLinear that
     produces it (its quantization step), None when no DequantizeLinear with a
     constant scale does."""
@@ -159,7 +159,7 @@ def _check_points(model, ep, values) -> int:
         x_name = inputs[y.name]
         point = extractor.extract_model([x_name] if x_name else [], [y.name])
         feeds = {x_name: _numpy(values[node.args[0].name])} if x_name else {}
-        (got,) = session(point, optimized=False).run(None, feeds)
+        (got,) = _session(point, optimized=False).run(None, feeds)
         expected = _numpy(values[y.name])
         if got.dtype != expected.dtype or not np.array_equal(got.view(np.uint8), expected.view(np.uint8)):
             raise AssertionError(
@@ -197,12 +197,12 @@ def check_onnx(path: Union[str, os.PathLike], model, inputs, *, atol: Optional[f
 
     output_node = next(n for n in ep.graph.nodes if n.op == "output")
     expected = [_numpy(values[n.name]) for n in tree_leaves(output_node.args[0])]
-    steps = output_steps(onnx_model)
+    steps = _output_steps(onnx_model)
     tolerances = [atol if atol is not None else _tolerance(s, e) for s, e in zip(steps, expected)]
     feeds_values = [_numpy(a) for a in tree_leaves(args)]
     diffs = {}
     for optimized in (False, True):
-        sess = session(path, optimized)
+        sess = _session(path, optimized)
         got = sess.run(None, {i.name: v for i, v in zip(sess.get_inputs(), feeds_values)})
         worst = 0.0
         for k, (g, e, tol) in enumerate(zip(got, expected, tolerances)):
