@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 VENV_FLAGS ?=
-EXTRAS ?= dev
+EXTRAS ?= dev,onnx
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pt2e_fq-installed
 SOURCES := $(shell find pt2e_fq/csrc -type f) setup.py pyproject.toml
