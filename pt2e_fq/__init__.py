@@ -29,8 +29,15 @@ from .granularity import PerBlock, PerChannel, PerGroup, PerTensor, PerToken
 from .observers import CurrentMinMaxObserver, MinMaxObserver, MovingAverageMinMaxObserver, MSEObserver
 from .ops import fake_quantize_affine, fake_quantize_float, fake_quantize_mx, fake_quantize_nvfp4
 from .qspec import Formulation, QSpec, Scheme
+from . import export  # pt2e_fq.export: .pt2 and ONNX export, conv-bn folding
+from .export import load, save
+from .report import report
 
 __all__ = [
+    "save",
+    "load",
+    "report",
+    "export",
     "fake_quantize_affine",
     "fake_quantize_float",
     "fake_quantize_mx",

@@ -1,0 +1,118 @@
+"""ONNX export of a quantized model.
+
+`to_onnx` exports through torch.onnx.export(dynamo=True) with our
+translation table (onnx_qdq.py): each fake-quant point becomes
+QuantizeLinear / DequantizeLinear, weights integer initializers. Its check
+in ONNX Runtime is onnx_check.py.
+
+Needs the `onnx` extra: pip install "pt2e_fq[onnx]".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional, Union
+
+import torch
+
+from .program import as_args, exported_program
+
+# ONNX metadata key: a JSON list, per fake-quant point, of the names of its
+# input ("input": null for a weight stored as integers) and output values.
+POINTS_METADATA = "pt2e_fq.points"
+
+
+def is_fake_quant(node: torch.fx.Node) -> bool:
+    """A call of one of the pt2e_fq operators."""
+    return node.op == "call_function" and str(node.target).startswith("pt2e_fq.")
+
+
+def require_onnx() -> None:
+    """Raises a clear ImportError when the `onnx` extra is missing."""
+    try:
+        import onnxruntime  # noqa: F401
+        import onnxscript  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            f"ONNX export needs onnx, onnxscript and onnxruntime ({e}); pip install 'pt2e_fq[onnx]'"
+        ) from None
+
+
+def placeholder_constants(ep: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
+    """The program's parameters, buffers and constants by placeholder name."""
+    sig = ep.graph_signature
+    named = {**ep.state_dict, **ep.constants}
+    mapping = {**sig.inputs_to_parameters, **sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}
+    return {placeholder: named[target] for placeholder, target in mapping.items() if target in named}
+
+
+def _element_format(node: torch.fx.Node) -> Optional[str]:
+    """The element format ("e4m3", "e5m2", "e2m1") of a float-format op call."""
+    pt2e_fq = torch.ops.pt2e_fq
+    if node.target == pt2e_fq.fake_quantize_float.default:
+        return node.args[3]
+    if node.target == pt2e_fq.fake_quantize_mx.default:
+        return node.args[1]
+    if node.target == pt2e_fq.fake_quantize_nvfp4.default:
+        return "e2m1"
+    return None
+
+
+def _check_exportable(ep: torch.export.ExportedProgram) -> None:
+    """Refuses what the ONNX translation cannot carry: E2M1 elements, and any
+    op output but the fake-quantized values (the clamp mask, MX scales)."""
+    from .onnx_qdq import E2M1_UNSUPPORTED
+
+    for node in ep.graph.nodes:
+        if not is_fake_quant(node):
+            continue
+        if _element_format(node) == "e2m1":
+            raise NotImplementedError(f"to_onnx: {node.name} has {E2M1_UNSUPPORTED}")
+        for user in node.users:
+            if user.args[1] != 0 and user.users:
+                raise NotImplementedError(
+                    f"to_onnx: {user.name} (output {user.args[1]} of {node.name}, the clamp mask or block "
+                    "scales) is used in the graph; the ONNX export carries the fake-quantized values only"
+                )
+
+
+def to_onnx(
+    model,
+    example_inputs,
+    path: Union[str, os.PathLike],
+    opset: int = 21,
+    dynamic_shapes: Optional[Any] = None,
+    *,
+    fold_bn: bool = True,
+):
+    """Exports a converted model (or an ExportedProgram of one) to an ONNX
+    file of QuantizeLinear / DequantizeLinear, folding QAT conv-bn first
+    unless fold_bn=False. Returns the torch.onnx.ONNXProgram.
+
+    opset must be >= 21 (int4, int16 and blocked Q/DQ). dynamic_shapes is
+    torch.export's. The file is written without external data.
+    """
+    require_onnx()
+    from .onnx_qdq import translation_table
+
+    if not isinstance(opset, int) or opset < 21:
+        raise ValueError(f"to_onnx: opset must be an int >= 21 (int4, int16 and blocked QDQ), got {opset!r}")
+    ep = exported_program(model, example_inputs, dynamic_shapes=dynamic_shapes, fold_bn=fold_bn)
+    _check_exportable(ep)
+    points: list = []
+    program = torch.onnx.export(
+        ep,
+        as_args(example_inputs),
+        dynamo=True,
+        opset_version=opset,
+        custom_translation_table=translation_table(placeholder_constants(ep), points),
+        verbose=False,
+    )
+    # Where each point's Q/DQ subgraph starts and ends, for check_onnx (and
+    # anyone reading the file): the names the values have in the file.
+    program.model.metadata_props[POINTS_METADATA] = json.dumps(
+        [{"input": None if x is None else x.name, "output": y.name} for x, y in points]
+    )
+    program.save(os.fspath(path), external_data=False)
+    return program

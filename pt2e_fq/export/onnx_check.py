@@ -1,0 +1,220 @@
+"""Checks an exported ONNX file in ONNX Runtime (CPU) against the torch model.
+
+Two comparisons:
+
+- every quantization point, bit for bit: the point's Q/DQ subgraph is cut out
+  of the file (by the names torch.onnx gives values: those of the program's
+  nodes) and run on the very tensor the torch point received; its output must
+  equal the torch op's. This is the exporter's promise, independent of the
+  float ops around the points (ORT's and torch's conv, matmul, layer norm or
+  gelu differ in the last bits, and such a difference can move a value
+  across a rounding boundary of the next point);
+- the outputs, end to end, with graph optimisations off and on (QDQ fusion
+  into integer kernels): within one quantization step of each quantized
+  output, within float rounding of a float one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import numpy as np
+import torch
+from torch.utils._pytree import tree_leaves
+
+from .onnx import POINTS_METADATA, is_fake_quant, require_onnx
+from .program import as_args, exported_program
+
+# ONNX Runtime CPU optimizer passes with known bugs on QDQ graphs (1.32):
+# ReluQuantRewrite drops a Relu before an fp8 QuantizeLinear with zero point 0;
+# MatMulAddFusion fails on int8 activations into a 3-D Linear with bias;
+# QDQS8ToU8Transformer turns to uint8 the zero point of a QuantizeLinear that
+# QDQPropagationTransformer inserted after a Reshape with output_dtype=INT8,
+# and the session fails to load (int8 activations through flatten / view).
+ORT_DISABLED_OPTIMIZERS = ("ReluQuantRewrite", "MatMulAddFusion", "QDQS8ToU8Transformer")
+# ORT fuses DequantizeLinear (8-bit blocked weights) -> MatMul into
+# MatMulNBits, which by default (accuracy level 4) quantizes its activations
+# to int8 on the fly: not the model's numerics. Level 0 computes in fp32.
+ORT_SESSION_CONFIG = {"session.qdq_matmulnbits_accuracy_level": "0"}
+# An output that no constant-scale DequantizeLinear produces (a float output,
+# weight-only models) may differ by the rounding of the float ops: this share
+# of its largest magnitude.
+FLOAT_OUTPUT_RTOL = 1e-5
+# One quantization step, plus the fp32 rounding of the two dequantized values.
+_STEP_SLACK = 1 + 1e-3
+
+
+@dataclass(frozen=True)
+class OnnxCheck:
+    """What check_onnx measured: how many points it compared bit for bit, and
+    max |ORT - torch| over the outputs with graph optimisations off and on,
+    and the largest tolerance it allowed there."""
+
+    points: int
+    max_abs_diff_unoptimized: float
+    max_abs_diff_optimized: float
+    tolerance: float
+
+
+def _session(model_or_path, optimized: bool):
+    """An ONNX Runtime CPU session with the optimizer workarounds applied."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    for key, value in ORT_SESSION_CONFIG.items():
+        so.add_session_config_entry(key, value)
+    so.graph_optimization_level = (
+        ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimized else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    )
+    source = model_or_path.SerializeToString() if hasattr(model_or_path, "SerializeToString") else os.fspath(
+        model_or_path)
+    return ort.InferenceSession(
+        source, so, providers=["CPUExecutionProvider"], disabled_optimizers=list(ORT_DISABLED_OPTIMIZERS)
+    )
+
+
+def _output_steps(model) -> list[Optional[float]]:
+    """Per graph output: the largest scale of the DequantizeLinear that
+    produces it (its quantization step), None when no DequantizeLinear with a
+    constant scale does."""
+    from onnx import numpy_helper
+
+    producers = {out: n for n in model.graph.node for out in n.output}
+    consts = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    steps = []
+    for out in model.graph.output:
+        node = producers.get(out.name)
+        # Cast back to bf16 / fp16, Add of minval and the Min / Max clamp keep the DQ's step.
+        while node is not None and node.op_type in ("Cast", "Add", "Max", "Min") and node.input[0] in producers:
+            node = producers[node.input[0]]
+        scale = consts.get(node.input[1]) if node is not None and node.op_type == "DequantizeLinear" else None
+        steps.append(float(np.max(scale)) if scale is not None else None)
+    return steps
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    if t.dtype == torch.bfloat16:
+        raise TypeError(
+            "check_onnx: ONNX Runtime's Python API exchanges no bfloat16 arrays (numpy has no bfloat16); "
+            "check the model in float32 or float16"
+        )
+    return t.detach().cpu().numpy()
+
+
+def _tolerance(step: Optional[float], expected: np.ndarray) -> float:
+    if step is not None:
+        return step * _STEP_SLACK
+    finite = np.abs(expected[np.isfinite(expected)])
+    return FLOAT_OUTPUT_RTOL * float(finite.max()) if finite.size else 0.0
+
+
+def _max_abs_diff(got: np.ndarray, expected: np.ndarray) -> float:
+    """max |got - expected|, where equal values (NaN and Inf included) differ
+    by 0 and NaN against a number by inf."""
+    g, e = got.astype(np.float64), expected.astype(np.float64)
+    same = (g == e) | (np.isnan(g) & np.isnan(e))
+    if same.all():
+        return 0.0
+    return float(np.nan_to_num(np.abs(g - e)[~same], nan=np.inf).max())
+
+
+def _node_values(ep: torch.export.ExportedProgram, args) -> dict[str, torch.Tensor]:
+    """Every node's value in a run of the program, by node name."""
+    values = {}
+
+    class Recorder(torch.fx.Interpreter):
+        def run_node(self, node):
+            values[node.name] = result = super().run_node(node)
+            return result
+
+    with torch.no_grad():
+        Recorder(ep.module()).run(*tree_leaves(args))
+    return values
+
+
+def _check_points(model, ep, values) -> int:
+    """Runs each point's Q/DQ subgraph of `model` (located by the file's
+    POINTS_METADATA) on the torch point's input and compares bit for bit;
+    returns how many points it checked."""
+    from onnx.utils import Extractor
+
+    metadata = {p.key: p.value for p in model.metadata_props}.get(POINTS_METADATA)
+    if metadata is None:
+        raise AssertionError(f"check_onnx: the file has no {POINTS_METADATA!r} metadata; export it with to_onnx")
+    inputs = {p["output"]: p["input"] for p in json.loads(metadata)}
+    extractor = Extractor(model)
+    checked = 0
+    for node in ep.graph.nodes:
+        if not is_fake_quant(node):
+            continue
+        (y,) = [u for u in node.users if u.args[1] == 0]
+        if y.name not in inputs:
+            raise AssertionError(
+                f"check_onnx: the file has no point {node.name} (output {y.name}); check the file against "
+                "the model it was exported from"
+            )
+        x_name = inputs[y.name]
+        point = extractor.extract_model([x_name] if x_name else [], [y.name])
+        feeds = {x_name: _numpy(values[node.args[0].name])} if x_name else {}
+        (got,) = _session(point, optimized=False).run(None, feeds)
+        expected = _numpy(values[y.name])
+        if got.dtype != expected.dtype or not np.array_equal(got.view(np.uint8), expected.view(np.uint8)):
+            raise AssertionError(
+                f"check_onnx: point {node.name} ({x_name} -> {y.name}) differs from torch in ONNX Runtime "
+                f"on the same input: {int((got != expected).sum())} of {got.size} elements, max |diff| "
+                f"{_max_abs_diff(got, expected):g}; it must be bit-exact"
+            )
+        checked += 1
+    return checked
+
+
+def check_onnx(path: Union[str, os.PathLike], model, inputs, *, atol: Optional[float] = None) -> OnnxCheck:
+    """Checks the ONNX file at `path`, exported by to_onnx from `model` (a
+    converted model or an ExportedProgram, its QAT conv-bn folded as to_onnx
+    does by default), in ONNX Runtime on CPU with `inputs`:
+
+    - every fake-quant point, run on the input the torch point receives, is
+      bit for bit the torch op's output;
+    - each output is within one quantization step of torch's (the scale of
+      the DequantizeLinear that produces it) with graph optimisations off and
+      on (ORT_DISABLED_OPTIMIZERS off, ORT_SESSION_CONFIG set); a float output
+      within FLOAT_OUTPUT_RTOL of its largest magnitude. `atol`, where given,
+      replaces both tolerances.
+
+    Raises AssertionError on a mismatch; returns the measured OnnxCheck.
+    """
+    require_onnx()
+    import onnx
+
+    args = as_args(inputs)
+    ep = exported_program(model, args)
+    values = _node_values(ep, args)
+    onnx_model = onnx.shape_inference.infer_shapes(onnx.load(os.fspath(path)))
+    points = _check_points(onnx_model, ep, values)
+
+    output_node = next(n for n in ep.graph.nodes if n.op == "output")
+    expected = [_numpy(values[n.name]) for n in tree_leaves(output_node.args[0])]
+    steps = _output_steps(onnx_model)
+    tolerances = [atol if atol is not None else _tolerance(s, e) for s, e in zip(steps, expected)]
+    feeds_values = [_numpy(a) for a in tree_leaves(args)]
+    diffs = {}
+    for optimized in (False, True):
+        sess = _session(path, optimized)
+        got = sess.run(None, {i.name: v for i, v in zip(sess.get_inputs(), feeds_values)})
+        worst = 0.0
+        for k, (g, e, tol) in enumerate(zip(got, expected, tolerances)):
+            if g.shape != e.shape or g.dtype != e.dtype:
+                raise AssertionError(f"check_onnx: output {k}: ORT gives {g.dtype}{g.shape}, torch {e.dtype}{e.shape}")
+            diff = _max_abs_diff(g, e)
+            worst = max(worst, diff)
+            if not diff <= tol:
+                what = "atol" if atol is not None else ("one quantization step" if steps[k] else "float rounding")
+                raise AssertionError(
+                    f"check_onnx: output {k} differs from torch by {diff:g} with ORT graph optimisations "
+                    f"{'on' if optimized else 'off'}, more than {what} ({tol:g})"
+                )
+        diffs[optimized] = worst
+    return OnnxCheck(points, diffs[False], diffs[True], float(max(tolerances, default=0.0)))
