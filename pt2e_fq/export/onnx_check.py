@@ -130,8 +130,15 @@ def _node_values(ep: torch.export.ExportedProgram, args) -> dict[str, torch.Tens
             values[node.name] = result = super().run_node(node)
             return result
 
+    module = ep.module()
     with torch.no_grad():
-        Recorder(ep.module()).run(*tree_leaves(args))
+        Recorder(module).run(*tree_leaves(args))
+    # The module's placeholders are the program's user inputs in order, but
+    # FX renames one that shadows a Python builtin (nn.Sequential's `input`
+    # becomes `input_1`): give their values the program's names too.
+    placeholders = [n.name for n in module.graph.nodes if n.op == "placeholder"]
+    for program_name, module_name in zip(ep.graph_signature.user_inputs, placeholders):
+        values[program_name] = values[module_name]
     return values
 
 
