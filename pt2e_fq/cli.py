@@ -90,6 +90,8 @@ def _parser() -> argparse.ArgumentParser:
 
     report = commands.add_parser("report", parents=[common], help="print the per-layer table of a saved .pt2")
     report.add_argument("path", metavar="FILE.pt2")
+    report.add_argument("--example-input", metavar="SHAPES|FILE.pt",
+                        help="inputs to run it on, as for quantize (default: the example inputs saved in the file)")
     return parser
 
 
@@ -137,19 +139,27 @@ def _load_pt(flag: str, path: str):
         raise UsageError(f"{flag}: cannot load {path!r} with torch.load(weights_only=True): {e}") from None
 
 
+def _model_args(flag: str, path: str, value) -> tuple:
+    """A tensor, or a tuple / list of tensors, as the model's positional arguments."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    if isinstance(value, (tuple, list)) and value and all(isinstance(t, torch.Tensor) for t in value):
+        return tuple(value)
+    found = type(value).__name__
+    if isinstance(value, (tuple, list)):
+        found += f" of ({', '.join(type(v).__name__ for v in value)})"
+    raise UsageError(f"{flag}: {path!r}: a model input must be a tensor or a tuple of tensors, got {found}")
+
+
 def example_inputs(text: str) -> tuple:
     """`1x3x32x32,1x10` -> random float32 tensors of those shapes; a .pt file
     -> its tensor, or its tuple / list of tensors."""
     import torch
 
-    from .pipeline import as_args
-
     if text.endswith(".pt"):
-        value = _load_pt("--example-input", text)
-        try:
-            return as_args(value)
-        except TypeError as e:
-            raise UsageError(f"--example-input: {text!r}: {e}") from None
+        return _model_args("--example-input", text, _load_pt("--example-input", text))
     shapes = text.split(",")
     if not all(_SHAPE.match(s) for s in shapes):
         raise UsageError(f"--example-input: {text!r} is neither a .pt file nor shapes; write dims joined by x "
@@ -161,8 +171,6 @@ def example_inputs(text: str) -> tuple:
 def calibration_batches(path: str, example: tuple) -> list[tuple]:
     """A list of batches, or one tensor split into batches of the example's size."""
     import torch
-
-    from .pipeline import as_args
 
     value = _load_pt("--calib-data", path)
     if isinstance(value, torch.Tensor):
@@ -176,10 +184,7 @@ def calibration_batches(path: str, example: tuple) -> list[tuple]:
     if not isinstance(value, list) or not value:
         raise UsageError(f"--calib-data: {path!r} holds a {type(value).__name__}; expected a tensor or a non-empty "
                          "list of batches (each a tensor or a tuple of tensors)")
-    try:
-        return [as_args(b) for b in value]
-    except TypeError as e:
-        raise UsageError(f"--calib-data: {path!r}: {e}") from None
+    return [_model_args("--calib-data", path, b) for b in value]
 
 
 def quantizer_config(args):
@@ -207,6 +212,17 @@ def _check_suffix(flag: str, path: Optional[str], suffix: str) -> None:
 # -- commands ---------------------------------------------------------------------
 
 
+def _quiet() -> None:
+    """Known noise of the libraries under the commands: torch.onnx's notes
+    on a missing torchvision, torch's pytree deprecation (copying a
+    GraphModule)."""
+    import logging
+    import warnings
+
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
+
+
 def cmd_demo(args) -> int:
     from . import demo
 
@@ -230,14 +246,21 @@ def cmd_quantize(args) -> int:
             raise UsageError(f"--example-input: the model fails on inputs of shapes "
                              f"{[tuple(t.shape) for t in example]}: {type(e).__name__}: {e}") from None
     from . import pipeline
+    from .export import check_onnx, save, to_onnx
+    from .report import report
 
     converted = pipeline.quantize(model, example, config, calibration=calibration, qat_steps=args.qat_steps,
                                   lr=args.lr, progress=not args.no_progress)
-    print("per-layer report: pending pt2e_fq.report (export issue)")
+    report(converted, example, file=sys.stdout)
+    batch = pipeline.batch_dynamic_shapes(example)  # the files take any batch size
     if args.out:
-        print(f"{args.out}: pending pt2e_fq.save (export issue)")
+        save(converted, example, args.out, dynamic_shapes=batch)
+        print(f"saved {args.out} ({Path(args.out).stat().st_size:,} bytes); load it with pt2e_fq.load")
     if args.onnx:
-        print(f"{args.onnx}: pending pt2e_fq.export.to_onnx (export issue)")
+        to_onnx(converted, example, args.onnx, dynamic_shapes=batch)
+        check = check_onnx(args.onnx, converted, example)
+        print(f"saved {args.onnx} ({Path(args.onnx).stat().st_size:,} bytes); ONNX Runtime: {check.points} points "
+              f"bit-exact, outputs within {check.max_abs_diff_optimized:.3g} (one step: {check.tolerance:.3g})")
     return 0
 
 
@@ -245,7 +268,16 @@ def cmd_report(args) -> int:
     _check_suffix("FILE.pt2", args.path, ".pt2")
     if not Path(args.path).is_file():
         raise UsageError(f"no such file {args.path!r}")
-    raise UsageError("report: pending pt2e_fq.load / pt2e_fq.report (export issue)")
+    example = example_inputs(args.example_input) if args.example_input else None
+    from .export import load
+    from .report import report
+
+    try:
+        program = load(args.path)
+    except Exception as e:  # not a torch.export archive, or from another torch
+        raise UsageError(f"cannot load {args.path!r} as a torch.export program: {type(e).__name__}: {e}") from None
+    report(program, example, file=sys.stdout)
+    return 0
 
 
 COMMANDS = {"demo": cmd_demo, "quantize": cmd_quantize, "report": cmd_report}
@@ -254,6 +286,7 @@ COMMANDS = {"demo": cmd_demo, "quantize": cmd_quantize, "report": cmd_report}
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)  # exits 2 with a usage message on a bad argument
+    _quiet()
     try:
         return COMMANDS[args.command](args)
     except UsageError as e:

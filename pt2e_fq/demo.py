@@ -3,9 +3,9 @@ laptop CPU.
 
 scikit-learn's 8x8 digits (shipped inside the package, no download) train a
 small CNN in float; PTQ with the w8a8 preset; QAT with w4a8 from the float
-weights, a few epochs with a progress bar; convert; .pt2 and ONNX files;
-the ONNX model run in ONNX Runtime on the test split. It ends with a table:
-accuracy, file bytes and training step time of each model.
+weights, a few epochs with a progress bar; convert; .pt2 and ONNX files of
+each model; the quantized ONNX files run in ONNX Runtime on the test split.
+It ends with a table: accuracy, file bytes and training step time.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ import torch.nn.functional as F
 from tabulate import tabulate
 
 from . import digits, pipeline
+from .export import check_onnx, save, to_onnx
+from .export.onnx_check import ORT_DISABLED_OPTIMIZERS, ORT_SESSION_CONFIG
+from .report import report
 from .step_time import step_times
 
 BATCH = 64
@@ -29,23 +32,21 @@ BATCH = 64
 
 @dataclass
 class Row:
-    """One model of the demo's table."""
+    """One model of the demo's table: where it ran, its test accuracy, the
+    bytes of its files and its training step time."""
 
     model: str
-    accuracy: Optional[float]
-    file: Optional[str] = None
-    bytes: Optional[int] = None
+    runs_in: str
+    accuracy: float
+    pt2_bytes: Optional[int] = None
+    onnx_bytes: Optional[int] = None
     step_ms: Optional[float] = None
-    note: str = ""
 
 
 @dataclass
 class DemoResult:
     rows: list[Row] = field(default_factory=list)
     seconds: float = 0.0
-
-    def row(self, model: str) -> Row:
-        return next(r for r in self.rows if r.model == model)
 
     def table(self) -> str:
         float_ms = self.rows[0].step_ms
@@ -54,19 +55,36 @@ class DemoResult:
             step = "" if r.step_ms is None else f"{r.step_ms:.1f}"
             if r.step_ms is not None and r is not self.rows[0] and float_ms:
                 step += f" ({r.step_ms / float_ms:.1f}x float)"
-            body.append([
-                r.model,
-                "" if r.accuracy is None else f"{100 * r.accuracy:.1f}%",
-                r.file or "",
-                "" if r.bytes is None else f"{r.bytes:,}",
-                step,
-                r.note,
-            ])
-        return tabulate(body, headers=["model", "test accuracy", "file", "bytes", "train step ms", "note"])
+            body.append([r.model, r.runs_in, f"{100 * r.accuracy:.1f}%",
+                         "" if r.pt2_bytes is None else f"{r.pt2_bytes:,}",
+                         "" if r.onnx_bytes is None else f"{r.onnx_bytes:,}", step])
+        return tabulate(body, headers=["model", "runs in", "test accuracy", ".pt2 bytes", "ONNX bytes",
+                                       "train step ms"])
 
 
 def _epoch_batches(data: digits.Digits, seed: int):
     return lambda epoch: data.batches("train", BATCH, seed=seed + epoch)
+
+
+def _ort_session(path: Path):
+    """An ONNX Runtime CPU session with the settings check_onnx verifies."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    for key, value in ORT_SESSION_CONFIG.items():
+        options.add_session_config_entry(key, value)
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"],
+                                   disabled_optimizers=list(ORT_DISABLED_OPTIMIZERS))
+    name = session.get_inputs()[0].name
+    return lambda images: torch.from_numpy(session.run(None, {name: images.numpy()})[0])
+
+
+def _files(out: Path, name: str, model, example: tuple, batch) -> tuple[Path, Path]:
+    """`name`.pt2 and `name`.onnx of a float or converted model, any batch size."""
+    pt2, onnx_path = out / f"{name}.pt2", out / f"{name}.onnx"
+    save(model, example, pt2, dynamic_shapes=batch)
+    to_onnx(model, example, onnx_path, dynamic_shapes=batch)
+    return pt2, onnx_path
 
 
 def run(
@@ -87,6 +105,7 @@ def run(
     data = digits.load(seed=seed)
     x_test, y_test = data.x_test, data.y_test
     example = (data.x_train[:BATCH],)
+    batch = pipeline.batch_dynamic_shapes(example)
     log(f"digits: {len(data.x_train)} training and {len(x_test)} test images of 8x8 pixels, {digits.CLASSES} classes")
 
     # Float training.
@@ -96,7 +115,10 @@ def run(
     pipeline.train(model.train(), _epoch_batches(data, seed), F.cross_entropy, optimizer,
                    epochs=float_epochs, desc="float", progress=progress)
     model.eval()
-    result.rows.append(Row("float", digits.accuracy(model, x_test, y_test)))
+    pt2, onnx_path = _files(out, "float", model, example, batch)
+    float_row = Row("float", "torch", digits.accuracy(model, x_test, y_test), pt2.stat().st_size,
+                    onnx_path.stat().st_size)
+    result.rows.append(float_row)
     float_state = copy.deepcopy(model.state_dict())
 
     # PTQ w8a8: calibrate on a few training batches.
@@ -104,24 +126,32 @@ def run(
     pipeline.calibrate(ptq, [x for x, _ in data.batches("train", BATCH, seed=seed)][:calibration_batches],
                        progress=progress)
     ptq = pipeline.convert(ptq)
-    result.rows.append(Row("PTQ w8a8", digits.accuracy(ptq, x_test, y_test)))
+    pt2, onnx_path = _files(out, "ptq_w8a8", ptq, example, batch)
+    result.rows.append(Row("PTQ w8a8", "torch", digits.accuracy(ptq, x_test, y_test), pt2.stat().st_size,
+                           onnx_path.stat().st_size))
+    result.rows.append(Row("PTQ w8a8", "ONNX Runtime", digits.accuracy(_ort_session(onnx_path), x_test, y_test),
+                           onnx_bytes=onnx_path.stat().st_size))
 
-    # QAT w4a8 from the float weights.
+    # QAT w4a8 from the float weights; first the step time against float.
     model.load_state_dict(float_state)
     qat = pipeline.prepare(model, example, "w4a8", qat=True)
     ms = step_times({"float": model.train(), "qat": qat}, example, data.y_train[:BATCH], F.cross_entropy)
+    float_row.step_ms = ms["float"]
     optimizer = torch.optim.Adam([p for p in qat.parameters() if p.requires_grad], lr=5e-4)
     pipeline.train(qat, _epoch_batches(data, seed + 1000), F.cross_entropy, optimizer,
                    epochs=qat_epochs, desc="QAT w4a8", progress=progress)
     pipeline.freeze_qat(qat, data.x_train[:256])
     qat = pipeline.convert(qat)
-    result.rows[0].step_ms = ms["float"]
-    result.rows.append(Row("QAT w4a8", digits.accuracy(qat, x_test, y_test), step_ms=ms["qat"]))
-
-    # Deployment files: pending the export issue (pt2e_fq.save, pt2e_fq.export.to_onnx).
-    for r in result.rows:
-        r.note = "file: pending pt2e_fq.save (export issue)"
-    result.rows.append(Row("QAT w4a8 in ONNX Runtime", None, note="pending pt2e_fq.export.to_onnx (export issue)"))
+    pt2, onnx_path = _files(out, "qat_w4a8", qat, example, batch)  # conv-bn folded on export
+    result.rows.append(Row("QAT w4a8", "torch", digits.accuracy(qat, x_test, y_test), pt2.stat().st_size,
+                           onnx_path.stat().st_size, step_ms=ms["qat"]))
+    result.rows.append(Row("QAT w4a8", "ONNX Runtime", digits.accuracy(_ort_session(onnx_path), x_test, y_test),
+                           onnx_bytes=onnx_path.stat().st_size))
+    check = check_onnx(onnx_path, qat, (x_test[:BATCH],))
+    log(f"check_onnx {onnx_path.name}: {check.points} points bit-exact in ONNX Runtime; outputs within "
+        f"{check.max_abs_diff_optimized:.3g} of torch (one quantization step: {check.tolerance:.3g})")
+    with open(out / "qat_w4a8_report.txt", "w") as f:
+        report(qat, example, file=f)
 
     result.seconds = time.perf_counter() - start
     (out / "results.json").write_text(json.dumps(
@@ -129,5 +159,5 @@ def run(
     table = result.table()
     (out / "results.md").write_text(table + "\n")
     log(table)
-    log(f"artifacts in {out}/; {result.seconds:.0f} s")
+    log(f"files in {out}/ (.pt2, .onnx, qat_w4a8_report.txt, results.md, results.json); {result.seconds:.0f} s")
     return result

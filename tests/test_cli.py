@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cli_models
 import pytest
 import torch
+from quantizer_models import sqnr_db
 
+import pt2e_fq
 from pt2e_fq import cli
 
 TESTS = Path(__file__).parent
@@ -163,17 +166,62 @@ def test_quantize_two_inputs_with_calibration_batches_and_qat(capsys, tmp_path):
     assert rc == 0, err
 
 
+def test_quantize_writes_pt2_and_onnx_and_report_reads_the_pt2(capsys, tmp_path):
+    """tiny_mlp (linear -> relu -> linear), calibrated on one tensor whose
+    values run from -3 to 5: the input point's asymmetric int8 scale is
+    (5 - (-3)) / 255."""
+    calib, pt2, onnx_path = tmp_path / "calib.pt", tmp_path / "m.pt2", tmp_path / "m.onnx"
+    torch.save(torch.linspace(-3, 5, 20 * 16).reshape(20, 16), calib)
+    rc, out, err = _main(capsys, *QUANTIZE, "--preset", "w8a8", "--calib-data", str(calib),
+                         "--out", str(pt2), "--onnx", str(onnx_path))
+    assert rc == 0, err
+    assert "weight of linear" in out and "output of relu, input of linear_1" in out
+    assert f"saved {pt2}" in out and f"saved {onnx_path}" in out and "bit-exact" in out
+    program = pt2e_fq.load(pt2)
+    input_scale = next(v for k, v in program.state_dict.items() if k == "activation_post_process_0.scale")
+    assert input_scale.item() == pytest.approx(8 / 255, rel=1e-6)
+    x = torch.randn(5, 16)  # another batch size than the example's
+    with torch.no_grad():
+        reference = cli_models.tiny_mlp()(x)
+    assert sqnr_db(reference, program.module()(x)) > 30
+
+    rc, out, err = _main(capsys, "report", str(pt2))
+    assert rc == 0, err
+    # Points: the input, two weights, relu's output (linear_1's input), linear_1's output.
+    assert out.count("activation_post_process_") == 5
+    assert "INT8 [-127, 127]" in out and "PerChannel(axis=0)" in out
+
+
+def test_report_errors(capsys, tmp_path):
+    rc, _, err = _main(capsys, "report", str(tmp_path / "missing.pt2"))
+    assert rc == 2 and "no such file" in err
+    rc, _, err = _main(capsys, "report", "model.onnx")
+    assert rc == 2 and "expected a .pt2 file name, got 'model.onnx'" in err
+    bad = tmp_path / "bad.pt2"
+    bad.write_text("not a program")
+    rc, _, err = _main(capsys, "report", str(bad))
+    assert rc == 2 and f"cannot load {str(bad)!r} as a torch.export program" in err
+
+
 def test_demo_end_to_end(tmp_path):
     """The demo, shorter (3 float epochs, 1 QAT epoch): a float CNN that
     learns the digits, PTQ w8a8 and QAT w4a8 close to it, the table and its
     files."""
     result = run_cli("demo", "--out", str(tmp_path), "--float-epochs", "3", "--qat-epochs", "1", "--no-progress")
     assert result.returncode == 0, result.stderr
-    rows = {r["model"]: r for r in json.loads((tmp_path / "results.json").read_text())["rows"]}
-    float_accuracy = rows["float"]["accuracy"]
-    assert float_accuracy > 0.95  # 10 classes: chance is 0.1
-    assert rows["PTQ w8a8"]["accuracy"] >= float_accuracy - 0.02
-    assert rows["QAT w4a8"]["accuracy"] >= float_accuracy - 0.03
-    assert rows["QAT w4a8"]["step_ms"] > 0 and rows["float"]["step_ms"] > 0
+    rows = {(r["model"], r["runs_in"]): r for r in json.loads((tmp_path / "results.json").read_text())["rows"]}
+    float_row = rows["float", "torch"]
+    assert float_row["accuracy"] > 0.95  # 10 classes: chance is 0.1
+    for model, floor in [("PTQ w8a8", 0.02), ("QAT w4a8", 0.03)]:
+        assert rows[model, "torch"]["accuracy"] >= float_row["accuracy"] - floor
+        # ONNX Runtime: the same predictions but where a float kernel's last bit moves a rounding.
+        assert abs(rows[model, "ONNX Runtime"]["accuracy"] - rows[model, "torch"]["accuracy"]) <= 0.01
+        assert (tmp_path / f"{model.lower().replace(' ', '_')}.pt2").is_file()
+    # int8 / int4 weights in the ONNX files: well under the float file.
+    assert rows["PTQ w8a8", "torch"]["onnx_bytes"] < 0.6 * float_row["onnx_bytes"]
+    assert rows["QAT w4a8", "torch"]["onnx_bytes"] < rows["PTQ w8a8", "torch"]["onnx_bytes"]
+    assert rows["QAT w4a8", "torch"]["step_ms"] > 0 and float_row["step_ms"] > 0
     table = (tmp_path / "results.md").read_text()
     assert table in result.stdout and "x float" in table
+    assert "points bit-exact in ONNX Runtime" in result.stdout
+    assert "weight of conv2d" in (tmp_path / "qat_w4a8_report.txt").read_text()
