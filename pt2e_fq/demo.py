@@ -22,8 +22,7 @@ import torch.nn.functional as F
 from tabulate import tabulate
 
 from . import digits, pipeline
-from .export import check_onnx, save, to_onnx
-from .export.onnx_check import ORT_DISABLED_OPTIMIZERS, ORT_SESSION_CONFIG
+from .export import check_onnx, ort_session, save, to_onnx
 from .report import report
 from .step_time import step_times
 
@@ -66,15 +65,9 @@ def _epoch_batches(data: digits.Digits, seed: int):
     return lambda epoch: data.batches("train", BATCH, seed=seed + epoch)
 
 
-def _ort_session(path: Path):
-    """An ONNX Runtime CPU session with the settings check_onnx verifies."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    for key, value in ORT_SESSION_CONFIG.items():
-        options.add_session_config_entry(key, value)
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"],
-                                   disabled_optimizers=list(ORT_DISABLED_OPTIMIZERS))
+def _onnx_runtime(path: Path):
+    """The ONNX file as a function of image tensors, in ONNX Runtime."""
+    session = ort_session(path)
     name = session.get_inputs()[0].name
     return lambda images: torch.from_numpy(session.run(None, {name: images.numpy()})[0])
 
@@ -129,7 +122,7 @@ def run(
     pt2, onnx_path = _files(out, "ptq_w8a8", ptq, example, batch)
     result.rows.append(Row("PTQ w8a8", "torch", digits.accuracy(ptq, x_test, y_test), pt2.stat().st_size,
                            onnx_path.stat().st_size))
-    result.rows.append(Row("PTQ w8a8", "ONNX Runtime", digits.accuracy(_ort_session(onnx_path), x_test, y_test),
+    result.rows.append(Row("PTQ w8a8", "ONNX Runtime", digits.accuracy(_onnx_runtime(onnx_path), x_test, y_test),
                            onnx_bytes=onnx_path.stat().st_size))
 
     # QAT w4a8 from the float weights; first the step time against float.
@@ -145,7 +138,7 @@ def run(
     pt2, onnx_path = _files(out, "qat_w4a8", qat, example, batch)  # conv-bn folded on export
     result.rows.append(Row("QAT w4a8", "torch", digits.accuracy(qat, x_test, y_test), pt2.stat().st_size,
                            onnx_path.stat().st_size, step_ms=ms["qat"]))
-    result.rows.append(Row("QAT w4a8", "ONNX Runtime", digits.accuracy(_ort_session(onnx_path), x_test, y_test),
+    result.rows.append(Row("QAT w4a8", "ONNX Runtime", digits.accuracy(_onnx_runtime(onnx_path), x_test, y_test),
                            onnx_bytes=onnx_path.stat().st_size))
     check = check_onnx(onnx_path, qat, (x_test[:BATCH],))
     log(f"check_onnx {onnx_path.name}: {check.points} points bit-exact in ONNX Runtime; outputs within "

@@ -59,8 +59,11 @@ class OnnxCheck:
     tolerance: float
 
 
-def _session(model_or_path, optimized: bool):
-    """An ONNX Runtime CPU session with the optimizer workarounds applied."""
+def ort_session(model_or_path, optimized: bool = True):
+    """An ONNX Runtime CPU session of an exported file (or onnx.ModelProto)
+    with the settings check_onnx verifies: ORT_DISABLED_OPTIMIZERS off,
+    ORT_SESSION_CONFIG set; graph optimisations on unless optimized=False.
+    Deploy with these settings."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -166,7 +169,7 @@ def _check_points(model, ep, values) -> int:
         x_name = inputs[y.name]
         point = extractor.extract_model([x_name] if x_name else [], [y.name])
         feeds = {x_name: _numpy(values[node.args[0].name])} if x_name else {}
-        (got,) = _session(point, optimized=False).run(None, feeds)
+        (got,) = ort_session(point, optimized=False).run(None, feeds)
         expected = _numpy(values[y.name])
         if got.dtype != expected.dtype or not np.array_equal(got.view(np.uint8), expected.view(np.uint8)):
             raise AssertionError(
@@ -209,7 +212,7 @@ def check_onnx(path: Union[str, os.PathLike], model, inputs, *, atol: Optional[f
     feeds_values = [_numpy(a) for a in tree_leaves(args)]
     diffs = {}
     for optimized in (False, True):
-        sess = _session(path, optimized)
+        sess = ort_session(path, optimized)
         got = sess.run(None, {i.name: v for i, v in zip(sess.get_inputs(), feeds_values)})
         worst = 0.0
         for k, (g, e, tol) in enumerate(zip(got, expected, tolerances)):
