@@ -87,12 +87,24 @@ def run(
     qat_epochs: int = 3,
     calibration_batches: int = 8,
     seed: int = 0,
+    threads: int = 1,
     progress: bool = True,
     log=print,
 ) -> DemoResult:
-    """Runs the demo, writes its files under `out` and returns the table's rows."""
+    """Runs the demo with `threads` torch threads (the CNN is tiny: one
+    thread is about as fast as several, and on a busy machine several
+    OpenMP threads mostly wait for each other), writes its files under `out`
+    and returns the table's rows."""
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _run(Path(out), float_epochs, qat_epochs, calibration_batches, seed, progress, log)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _run(out: Path, float_epochs, qat_epochs, calibration_batches, seed, progress, log) -> DemoResult:
     start = time.perf_counter()
-    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     result = DemoResult()
     data = digits.load(seed=seed)

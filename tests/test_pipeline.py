@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torchao.quantization.pt2e as tao
-from quantizer_models import fake_quant_modules, sqnr_db
+from quantizer_models import fake_quant_modules, sqnr_db, single_thread  # noqa: F401 (an autouse fixture: one thread)
 from torchao.quantization.pt2e import qat_utils
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
@@ -23,14 +23,6 @@ def _mlp(seed=0):
 
 def _inputs(n, seed):
     return torch.randn(n, 16, generator=torch.Generator().manual_seed(seed))
-
-
-def test_as_args():
-    x, y = torch.zeros(2), torch.ones(3)
-    assert pipeline.as_args(x)[0] is x and len(pipeline.as_args(x)) == 1
-    assert pipeline.as_args([x, y]) == (x, y)
-    with pytest.raises(TypeError, match=r"a tensor or a tuple of tensors .* got tuple of \(Tensor, int\)"):
-        pipeline.as_args((x, 3))
 
 
 def test_quantizer_for():
