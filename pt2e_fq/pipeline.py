@@ -30,27 +30,10 @@ from tqdm import tqdm
 
 from quantizers import FakeQuantQuantizer, QuantizerConfig, presets
 
+from .export.program import as_args
 from .fake_quantize import FakeQuantize
 
 ConfigLike = Union[str, QuantizerConfig, FakeQuantQuantizer]
-
-
-def as_args(inputs) -> tuple:
-    """A batch as the positional-argument tuple the model takes: a tensor
-    is one argument, a tuple or list is the arguments."""
-    if isinstance(inputs, torch.Tensor):
-        return (inputs,)
-    if isinstance(inputs, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in inputs):
-        return tuple(inputs)
-    raise TypeError(
-        f"a model input must be a tensor or a tuple of tensors (the positional arguments), got {_describe(inputs)}"
-    )
-
-
-def _describe(value) -> str:
-    if isinstance(value, (tuple, list)):
-        return f"{type(value).__name__} of ({', '.join(type(v).__name__ for v in value)})"
-    return type(value).__name__
 
 
 def quantizer_for(config: ConfigLike) -> FakeQuantQuantizer:
