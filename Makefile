@@ -5,7 +5,8 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 VENV_FLAGS ?=
-EXTRAS ?= dev,onnx
+EXTRAS ?= dev,demo,onnx
+DEMO_OUT ?= demo-out
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pt2e_fq-installed
 SOURCES := $(shell find pt2e_fq/csrc -type f) setup.py pyproject.toml
@@ -27,11 +28,14 @@ $(STAMP): $(SOURCES)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# Every benchmark script, one after the other (each prints its tables).
 bench: $(STAMP)
-	$(PY) benchmarks/bench_ops.py
+	@for f in benchmarks/bench_*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
 
-demo:
-	@echo "make demo arrives with the CLI (issue: the main job); run 'make test' for now." && exit 1
+# Trains a CNN on scikit-learn's digits, quantizes it (PTQ w8a8, QAT w4a8),
+# exports it and prints the table; files under $(DEMO_OUT).
+demo: $(STAMP)
+	$(VENV)/bin/pt2e-fq demo --out $(DEMO_OUT)
 
 # Compiles every CUDA kernel (they include no torch header) for each arch,
 # and syntax-checks the torch bindings of the CUDA kernels, on machines

@@ -149,8 +149,8 @@ def median_ms(fns, repeats: int, sync) -> list[float]:
     return [statistics.median(t) * 1e3 for t in times]
 
 
-def saved_bytes(fn, x) -> int:
-    """Bytes of the distinct tensors autograd saves for backward."""
+def saved_bytes_by_dtype(fn, x) -> dict:
+    """Bytes of the distinct tensors autograd saves for backward, per dtype."""
     seen = {}
 
     def pack(t):
@@ -160,7 +160,15 @@ def saved_bytes(fn, x) -> int:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn(x.detach().requires_grad_())
-    return sum(seen.values())
+    by_dtype = {}
+    for (_, _, dtype, _), n in seen.items():
+        by_dtype[dtype] = by_dtype.get(dtype, 0) + n
+    return by_dtype
+
+
+def saved_bytes(fn, x) -> int:
+    """Bytes of the distinct tensors autograd saves for backward."""
+    return sum(saved_bytes_by_dtype(fn, x).values())
 
 
 def timed_steps(fn, x, p):

@@ -8,6 +8,10 @@ import torch  # noqa: F401  (loads the libraries _C links against)
 
 from . import _C  # noqa: F401  (registers the C++/CUDA operators)
 from . import ops  # noqa: F401  (registers fake and autograd implementations)
+from ._torchao_import import import_torchao
+
+import_torchao()  # before the modules that import torchao
+
 from .fake_quantize import FakeQuantize, UncalibratedError
 from .formats import (
     FP4_E2M1,

@@ -1,4 +1,5 @@
-"""Per-point quantization report of a prepared or converted model.
+"""Per-point quantization report of a prepared or converted model, or of a
+saved program.
 
 `report(model, example_inputs)` runs a copy of the model once (observers
 off) and records every pt2e_fq op call with its arguments and outputs, so
@@ -8,12 +9,19 @@ weight / output of which op), format, granularity, scale and zero-point
 ranges, the share of elements clipped (from the op's clamp mask) and the SQNR
 of the fake-quantized tensor against its float input. A summary compares the
 float and quantized weight bytes.
+
+A program (`pt2e_fq.load(path)`, any ExportedProgram) has op calls where a
+model has FakeQuantize modules: each call is a point, named after the FakeQuantize
+module it was traced from, and its format and granularity are read from the
+call's arguments (quant range, element format, block size). By default it
+runs on the example inputs saved with it.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import operator
 import sys
 from dataclasses import dataclass, field
 from typing import Optional
@@ -25,6 +33,7 @@ from torch.utils._pytree import tree_leaves
 
 from .fake_quantize import FakeQuantize
 from .formats import FloatFormat, IntFormat
+from .granularity import PerBlock, PerChannel, PerGroup, PerTensor
 from .ops import unpack_mask
 from .qspec import Formulation
 
@@ -98,7 +107,12 @@ def _module_path(node: torch.fx.Node) -> str:
 
 def role(point: torch.fx.Node) -> tuple[str, str]:
     """(module path, role) of a fake-quant call_module node."""
-    src = point.args[0]
+    return _role(point.args[0], point)
+
+
+def _role(src: torch.fx.Node, point: torch.fx.Node) -> tuple[str, str]:
+    """(module path, role) of a point reading `src`, whose fake-quantized
+    value is the node `point` (a call_module, or getitem 0 of an op call)."""
     users = list(point.users)
     if _is_constant(src):
         user = users[0]
@@ -153,6 +167,24 @@ class Report:
     float_weight_bytes: int = 0
     quantized_weight_bytes: float = 0.0
 
+    def add(self, point: str, module_and_role: tuple[str, str], fmt: str, granularity: str, bits: float,
+            call: Optional[tuple], x: Optional[torch.Tensor]) -> None:
+        """One row, from the point's op call (op, arguments, outputs) on its
+        input x; call None: the point did not run."""
+        module_path, point_role = module_and_role
+        row = dict(point=point, module=module_path, role=point_role, format=fmt, granularity=granularity,
+                   scale=None, zero_point=None, minval=None, clipped=None, sqnr_db=None)
+        if call is not None:
+            func, op_args, out = call
+            x, y, packed = x.detach(), out[0], out[1]
+            qp, qparam_bytes = _qparams(func, op_args, out, bits)
+            row.update(scale=_range(qp["scale"]), zero_point=_range(qp["zero_point"]), minval=_range(qp["minval"]))
+            row["clipped"] = 1.0 - unpack_mask(packed, x.shape).float().mean().item() if x.numel() else 0.0
+            row["sqnr_db"] = _sqnr_db(x, y)
+            if point_role.startswith(("weight", "bias")):
+                self.quantized_weight_bytes += _bytes(x, bits) + qparam_bytes - x.numel() * x.element_size()
+        self.rows.append(row)
+
     def table(self) -> str:
         def fmt_range(r, digits=4):
             return "" if r is None else f"[{r[0]:.{digits}g}, {r[1]:.{digits}g}]"
@@ -176,15 +208,21 @@ class Report:
         return tabulate(body, headers=headers) + "\n" + summary
 
 
-def report(model: torch.fx.GraphModule, example_inputs, *, file=sys.stdout) -> Report:
+def report(model, example_inputs=None, *, file=sys.stdout) -> Report:
     """Runs a copy of `model` (a prepared or converted GraphModule) on
-    example_inputs with every observer off, and reports each fake-quant point
-    (see the module docstring). Prints the table to `file` (None: silent)."""
+    example_inputs with every observer off, or a program (an ExportedProgram,
+    e.g. from pt2e_fq.load; example_inputs default to the ones saved with
+    it), and reports each fake-quant point (see the module docstring).
+    Prints the table to `file` (None: silent)."""
+    if isinstance(model, torch.export.ExportedProgram):
+        return _report_program(model, example_inputs, file)
     if not isinstance(model, torch.fx.GraphModule):
         raise TypeError(
             "report: model must be the torch.fx.GraphModule from prepare_pt2e / prepare_qat_pt2e / "
-            f"convert_pt2e, got {type(model).__name__}"
+            f"convert_pt2e, or an ExportedProgram, got {type(model).__name__}"
         )
+    if example_inputs is None:
+        raise TypeError("report: example_inputs are needed to run a GraphModule")
     from .export.program import as_args
 
     args = as_args(example_inputs)
@@ -201,26 +239,126 @@ def report(model: torch.fx.GraphModule, example_inputs, *, file=sys.stdout) -> R
     result.quantized_weight_bytes = float(result.float_weight_bytes)
     for node in nodes:
         name, m = node.target, model.get_submodule(node.target)
-        module_path, point_role = role(node)
         spec = m.qspec
-        row = dict(point=name, module=module_path, role=point_role, format=_format(spec),
-                   granularity=repr(spec.granularity) + (" dynamic" if spec.dynamic else ""),
-                   scale=None, zero_point=None, minval=None, clipped=None, sqnr_db=None)
         x = run.inputs.get(name)
-        if name in calls.calls and x is not None:
-            func, op_args, out = calls.calls[name]
-            y, packed = out[0], out[1]
-            bits = _bits(spec.format)
-            qp, qparam_bytes = _qparams(func, op_args, out, bits)
-            row.update(scale=_range(qp["scale"]), zero_point=_range(qp["zero_point"]), minval=_range(qp["minval"]))
-            row["clipped"] = 1.0 - unpack_mask(packed, x.shape).float().mean().item() if x.numel() else 0.0
-            row["sqnr_db"] = _sqnr_db(x, y)
-            if point_role.startswith(("weight", "bias")):
-                result.quantized_weight_bytes += _bytes(x, bits) + qparam_bytes - x.numel() * x.element_size()
-        result.rows.append(row)
+        call = calls.calls.get(name) if x is not None else None
+        result.add(name, role(node), _format(spec), repr(spec.granularity) + (" dynamic" if spec.dynamic else ""),
+                   _bits(spec.format), call, x)
     if file is not None:
         print(result.table(), file=file)
     return result
+
+
+class _ProgramRun(torch.fx.Interpreter):
+    """Runs a program's module node by node, keeping every pt2e_fq op call:
+    (op, argument values in schema order, outputs)."""
+
+    def __init__(self, gm):
+        super().__init__(gm)
+        self.calls: dict[torch.fx.Node, tuple] = {}
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        if n.op == "call_function" and getattr(n.target, "namespace", None) == "pt2e_fq":
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            values = {**dict(zip([a.name for a in n.target._schema.arguments], args)), **kwargs}
+            self.calls[n] = (n.target, [values.get(a.name) for a in n.target._schema.arguments], out)
+        return out
+
+
+def _report_program(program: torch.export.ExportedProgram, example_inputs, file) -> Report:
+    if example_inputs is None:
+        if program.example_inputs is None:
+            raise ValueError("report: this program was saved without example inputs; pass example_inputs")
+        args, kwargs = program.example_inputs
+        if kwargs:
+            raise ValueError("report: the program's example inputs have keyword arguments; pass example_inputs")
+    else:
+        from .export.program import as_args
+
+        args = as_args(example_inputs)
+    gm = program.module()
+    run = _ProgramRun(gm)
+    with torch.no_grad():
+        run.run(*tree_leaves(args))
+    result = Report(float_weight_bytes=sum(p.numel() * p.element_size() for p in gm.parameters()))
+    result.quantized_weight_bytes = float(result.float_weight_bytes)
+    for node, call in run.calls.items():
+        func, op_args, out = call
+        fmt, fmt_text, granularity = _op_format(func, op_args, node)
+        value = next((u for u in node.users if u.target is operator.getitem and u.args[1] == 0), node)
+        result.add(_point_name(node), _role(node.args[0], value), fmt_text, granularity, _bits(fmt), call,
+                   op_args[0])
+    if file is not None:
+        print(result.table(), file=file)
+    return result
+
+
+def _point_name(node: torch.fx.Node) -> str:
+    """The FakeQuantize module the call was traced from (its path, e.g.
+    `activation_post_process_3`, kept in the node's nn_module_stack through
+    save and load), else the node's name."""
+    for path, type_name in reversed(list((node.meta.get("nn_module_stack") or {}).values())):
+        if type_name.endswith(f"{FakeQuantize.__module__}.{FakeQuantize.__qualname__}"):
+            return path
+    return node.name
+
+
+_FLOAT_ELEMENTS = {  # element format -> (static-scale format, MX format)
+    "e4m3": (FloatFormat.FP8_E4M3, FloatFormat.MXFP8_E4M3),
+    "e5m2": (FloatFormat.FP8_E5M2, FloatFormat.MXFP8_E5M2),
+    "e2m1": (FloatFormat.FP4_E2M1, FloatFormat.MXFP4),
+}
+
+
+def _op_format(func, args, node: torch.fx.Node) -> tuple:
+    """(format, format text, granularity text) of a pt2e_fq op call, from
+    its arguments; a scale computed in the graph (not a constant) is dynamic."""
+    ops = torch.ops.pt2e_fq
+    x = args[0]
+    if func in (ops.fake_quantize_affine.default, ops.fake_quantize_float.default):
+        scale = node.args[2]
+        dynamic = " dynamic" if isinstance(scale, torch.fx.Node) and not _is_constant(scale) else ""
+    if func == ops.fake_quantize_affine.default:
+        qmin, qmax, minval = args[4], args[5], args[6]
+        fmt = _int_format(qmin, qmax)
+        text = f"{fmt!r} [{qmin}, {qmax}]" + ("" if minval is None else " minval")
+        return fmt, text, _granularity(x.shape, args[1]) + dynamic
+    if func == ops.fake_quantize_float.default:
+        fmt = _FLOAT_ELEMENTS[args[3]][0]
+        return fmt, fmt.name, _granularity(x.shape, args[1]) + dynamic
+    if func == ops.fake_quantize_mx.default:
+        fmt = _FLOAT_ELEMENTS[args[1]][1]
+        return fmt, fmt.name, f"{PerGroup(args[2], args[3])!r} dynamic"
+    if func == ops.fake_quantize_nvfp4.default:
+        fmt = FloatFormat.NVFP4
+        return fmt, fmt.name, repr(PerGroup(fmt.scale_block, args[2])) + (" dynamic" if args[1] is None else "")
+    raise ValueError(f"report: unknown pt2e_fq op {func}")
+
+
+def _int_format(quant_min: int, quant_max: int) -> IntFormat:
+    """The narrowest integer format holding [quant_min, quant_max]."""
+    signed = quant_min < 0
+    for bits in range(2, 17):
+        lo, hi = IntFormat(bits, signed).quant_range(narrow=False)
+        if lo <= quant_min and quant_max <= hi:
+            return IntFormat(bits, signed)
+    raise ValueError(f"report: no integer format holds [{quant_min}, {quant_max}]")
+
+
+def _granularity(shape, block_size) -> str:
+    """The granularity a block size gives a tensor of `shape`, as the
+    granularity class would print it."""
+    shape, block = list(shape), [min(b, s) for b, s in zip(block_size, shape)]
+    if block == shape:
+        return repr(PerTensor())
+    partial = [d for d in range(len(shape)) if block[d] != shape[d]]
+    if all(block[d] == 1 for d in partial) and len(partial) == 1:
+        return repr(PerChannel(partial[0]))
+    grouped = [d for d in range(len(shape)) if block[d] != 1]
+    if len(grouped) == 1 and all(block[d] == 1 for d in range(len(shape)) if d != grouped[0]):
+        return repr(PerGroup(block[grouped[0]], grouped[0]))
+    return repr(PerBlock(tuple(block_size)))
 
 
 def _format(spec) -> str:

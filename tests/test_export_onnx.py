@@ -119,6 +119,20 @@ def test_onnx_runtime_reproduces_the_model_bit_for_bit(case, tmp_path):
     assert result.points == len(fake_quant_nodes(model))  # each compared bit for bit
 
 
+def test_check_onnx_takes_an_input_named_like_a_builtin(tmp_path):
+    """nn.Sequential's forward argument is `input`, which FX renames in the
+    program's module (`input_1`); the first point reads it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
+    x = torch.randn(4, 16)
+    gm = prepare_pt2e(torch.export.export(model, (x,)).module(), FakeQuantQuantizer(presets.get_preset("w8a8")))
+    gm(x)
+    converted = convert_pt2e(gm)
+    path = tmp_path / "sequential.onnx"
+    to_onnx(converted, (x,), path)
+    assert check_onnx(path, converted, (torch.randn(4, 16),)).points == len(fake_quant_nodes(converted))
+
+
 def test_dynamic_per_token_activations_with_a_dynamic_batch(tmp_path):
     """3-D activations (batch, tokens, features) into Linear layers with bias:
     the case of ORT's MatMulAddFusion bug, which check_onnx works around."""

@@ -103,3 +103,61 @@ def test_report_leaves_the_model_alone_and_names_a_bad_model():
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     with pytest.raises(TypeError, match="report: model must be the torch.fx.GraphModule"):
         q.report(torch.nn.Linear(2, 2), (torch.randn(1, 2),))
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+# The granularity each preset's weight of fc1 (64 x 64) gets, written out by hand.
+WEIGHT_GRANULARITY = {
+    "w8a8": "PerChannel(axis=0)",
+    "w4a8": "PerGroup(group_size=32, axis=1)",
+    "w4a16": "PerGroup(group_size=32, axis=1)",
+    "fp8": "PerChannel(axis=0)",
+    "mxfp8": "PerGroup(group_size=32, axis=1) dynamic",
+    "nvfp4": "PerGroup(group_size=16, axis=1)",
+}
+
+
+@pytest.mark.parametrize("preset", list(WEIGHT_GRANULARITY))
+def test_a_saved_program_reports_what_its_model_reports(preset, tmp_path):
+    """A program has op calls where the model had modules: the same rows,
+    with the format and granularity read off the op's arguments."""
+    from pt2e_fq import pipeline
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 64)
+    converted = pipeline.quantize(_MLP().eval(), (x,), preset, calibration=[torch.randn(8, 64) for _ in range(3)],
+                                  progress=False)
+    torch.export.save(torch.export.export(converted, (x,)), tmp_path / "m.pt2")
+    program = q.load(tmp_path / "m.pt2")
+    from_model = q.report(converted, (x,), file=None)
+    from_program = q.report(program, file=None)  # runs on the example inputs saved in the file
+    assert sorted(r["point"] for r in from_program.rows) == sorted(r["point"] for r in from_model.rows)
+    by_point = {r["point"]: r for r in from_model.rows}
+    for row in from_program.rows:
+        expected = by_point[row["point"]]
+        for key in ("module", "role", "scale", "zero_point", "minval", "clipped", "sqnr_db"):
+            assert row[key] == expected[key], (row["point"], key)
+        assert row["granularity"] == expected["granularity"]
+    assert from_program.quantized_weight_bytes == from_model.quantized_weight_bytes
+    assert from_program.float_weight_bytes == from_model.float_weight_bytes
+    weight = next(r for r in from_program.rows if r["role"] == "weight of linear")
+    assert weight["granularity"] == WEIGHT_GRANULARITY[preset]
+    int_ranges = {"w8a8": "INT8 [-127, 127]", "w4a8": "INT4 [-8, 7]", "w4a16": "INT4 [-8, 7] minval"}
+    assert weight["format"] == int_ranges.get(preset, by_point[weight["point"]]["format"])
+
+
+def test_a_program_without_example_inputs_needs_them():
+    torch.manual_seed(0)
+    program = torch.export.export(_MLP(), (torch.randn(2, 64),))
+    program.example_inputs = None
+    with pytest.raises(ValueError, match="saved without example inputs; pass example_inputs"):
+        q.report(program, file=None)
+    assert q.report(program, (torch.randn(2, 64),), file=None).rows == []  # no fake-quant point

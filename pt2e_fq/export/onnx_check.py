@@ -59,8 +59,11 @@ class OnnxCheck:
     tolerance: float
 
 
-def _session(model_or_path, optimized: bool):
-    """An ONNX Runtime CPU session with the optimizer workarounds applied."""
+def ort_session(model_or_path, optimized: bool = True):
+    """An ONNX Runtime CPU session of an exported file (or onnx.ModelProto)
+    with the settings check_onnx verifies: ORT_DISABLED_OPTIMIZERS off,
+    ORT_SESSION_CONFIG set; graph optimisations on unless optimized=False.
+    Deploy with these settings."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -130,8 +133,15 @@ def _node_values(ep: torch.export.ExportedProgram, args) -> dict[str, torch.Tens
             values[node.name] = result = super().run_node(node)
             return result
 
+    module = ep.module()
     with torch.no_grad():
-        Recorder(ep.module()).run(*tree_leaves(args))
+        Recorder(module).run(*tree_leaves(args))
+    # The module's placeholders are the program's user inputs in order, but
+    # FX renames one that shadows a Python builtin (nn.Sequential's `input`
+    # becomes `input_1`): give their values the program's names too.
+    placeholders = [n.name for n in module.graph.nodes if n.op == "placeholder"]
+    for program_name, module_name in zip(ep.graph_signature.user_inputs, placeholders):
+        values[program_name] = values[module_name]
     return values
 
 
@@ -159,7 +169,7 @@ def _check_points(model, ep, values) -> int:
         x_name = inputs[y.name]
         point = extractor.extract_model([x_name] if x_name else [], [y.name])
         feeds = {x_name: _numpy(values[node.args[0].name])} if x_name else {}
-        (got,) = _session(point, optimized=False).run(None, feeds)
+        (got,) = ort_session(point, optimized=False).run(None, feeds)
         expected = _numpy(values[y.name])
         if got.dtype != expected.dtype or not np.array_equal(got.view(np.uint8), expected.view(np.uint8)):
             raise AssertionError(
@@ -202,7 +212,7 @@ def check_onnx(path: Union[str, os.PathLike], model, inputs, *, atol: Optional[f
     feeds_values = [_numpy(a) for a in tree_leaves(args)]
     diffs = {}
     for optimized in (False, True):
-        sess = _session(path, optimized)
+        sess = ort_session(path, optimized)
         got = sess.run(None, {i.name: v for i, v in zip(sess.get_inputs(), feeds_values)})
         worst = 0.0
         for k, (g, e, tol) in enumerate(zip(got, expected, tolerances)):

@@ -1,0 +1,7 @@
+"""`python -m pt2e_fq ...`: the `pt2e-fq` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,311 @@
+"""The `pt2e-fq` command (also `python -m pt2e_fq`).
+
+    pt2e-fq demo [--out DIR]
+    pt2e-fq quantize --model pkg.module:factory --example-input 1x3x32x32 --preset w8a8
+                     [--calib-data batches.pt] [--qat-steps N] [--out model.pt2] [--onnx model.onnx]
+    pt2e-fq report model.pt2
+
+A bad argument is a one-line error naming it and what is allowed, with exit
+status 2; any other failure prints its message (no traceback unless
+--traceback) with exit status 1. The quantization flow (torchao) and the
+demo (scikit-learn) are imported only by the commands that use them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import re
+import sys
+import traceback
+from pathlib import Path
+from typing import Optional, Sequence
+
+PROG = "pt2e-fq"
+_SHAPE = re.compile(r"^\d+(x\d+)*$")
+
+
+class UsageError(Exception):
+    """A bad argument: reported as `pt2e-fq <command>: error: ...`, exit status 2."""
+
+
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="Fused fake quantization for the PT2E flow.")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--traceback", action="store_true", help="show the Python traceback of a failure")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    demo = commands.add_parser("demo", parents=[common], help="train, quantize (PTQ, QAT), export and check a CNN on the digits data")
+    demo.add_argument("--out", default="demo-out", help="folder for the demo's files (default: demo-out)")
+    demo.add_argument("--float-epochs", type=_int_at_least(1), default=8, metavar="N",
+                      help="epochs of float training (default 8)")
+    demo.add_argument("--qat-epochs", type=_int_at_least(1), default=3, metavar="N",
+                      help="epochs of QAT (default 3)")
+    demo.add_argument("--threads", type=_int_at_least(1), default=1, metavar="N",
+                      help="torch threads (default 1: the CNN is tiny, more threads mostly wait for each other)")
+    demo.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+    quantize = commands.add_parser("quantize", parents=[common], help="quantize a model of yours and print the per-layer report")
+    quantize.add_argument("--model", required=True, metavar="MODULE:FACTORY",
+                          help="a callable returning the torch.nn.Module, e.g. mypkg.models:build "
+                               "(the current folder is importable)")
+    quantize.add_argument("--example-input", required=True, metavar="SHAPES|FILE.pt",
+                          help="the inputs' shapes, dims joined by x, inputs by commas (1x3x32x32,1x10), "
+                               "random float32; or a .pt file holding a tensor or a tuple of tensors")
+    which = quantize.add_mutually_exclusive_group(required=True)
+    which.add_argument("--preset", metavar="NAME", help="a preset name, e.g. w8a8 or w4a8 (docs/quantizers.md lists them)")
+    which.add_argument("--config", metavar="FILE", help="a QuantizerConfig file (.yaml, .yml or .json)")
+    quantize.add_argument("--calib-data", metavar="FILE.pt",
+                          help="calibration batches: a list of batches (each a tensor or a tuple of tensors), "
+                               "or one tensor split into batches of the example's batch size "
+                               "(default: the example input)")
+    quantize.add_argument("--qat-steps", type=_int_at_least(0), default=0, metavar="N",
+                          help="QAT steps after calibration, distilling the float model's outputs (default 0: PTQ)")
+    quantize.add_argument("--lr", type=_positive_float, default=1e-4, help="QAT learning rate (Adam; default 1e-4)")
+    quantize.add_argument("--out", metavar="FILE.pt2", help="save the quantized program (.pt2)")
+    quantize.add_argument("--onnx", metavar="FILE.onnx", help="export to ONNX and check it in ONNX Runtime")
+    quantize.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+    report = commands.add_parser("report", parents=[common], help="print the per-layer table of a saved .pt2")
+    report.add_argument("path", metavar="FILE.pt2")
+    report.add_argument("--example-input", metavar="SHAPES|FILE.pt",
+                        help="inputs to run it on, as for quantize (default: the example inputs saved in the file)")
+    return parser
+
+
+# -- argument values ---------------------------------------------------------------
+
+
+def load_factory(spec: str):
+    """`pkg.module:factory` -> the callable (the current folder is importable)."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError(f"--model: expected MODULE:FACTORY (e.g. mypkg.models:build), got {spec!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise UsageError(f"--model: cannot import module {module_name!r} ({e})") from None
+    factory = module
+    for part in attr.split("."):
+        factory = getattr(factory, part, None)
+        if factory is None:
+            raise UsageError(f"--model: module {module_name!r} has no attribute {attr!r}")
+    if not callable(factory):
+        raise UsageError(f"--model: {spec!r} is a {type(factory).__name__}, not a callable returning a model")
+    return factory
+
+
+def build_model(spec: str):
+    import torch
+
+    model = load_factory(spec)()
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"--model: {spec}() returned a {type(model).__name__}, not a torch.nn.Module")
+    return model.eval()
+
+
+def _load_pt(flag: str, path: str):
+    import torch
+
+    if not Path(path).is_file():
+        raise UsageError(f"{flag}: no such file {path!r}")
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as e:  # pickle errors, not a torch file, ...
+        raise UsageError(f"{flag}: cannot load {path!r} with torch.load(weights_only=True): {e}") from None
+
+
+def _model_args(flag: str, path: str, value) -> tuple:
+    """A tensor, or a tuple / list of tensors, as the model's positional arguments."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    if isinstance(value, (tuple, list)) and value and all(isinstance(t, torch.Tensor) for t in value):
+        return tuple(value)
+    found = type(value).__name__
+    if isinstance(value, (tuple, list)):
+        found += f" of ({', '.join(type(v).__name__ for v in value)})"
+    raise UsageError(f"{flag}: {path!r}: a model input must be a tensor or a tuple of tensors, got {found}")
+
+
+def example_inputs(text: str) -> tuple:
+    """`1x3x32x32,1x10` -> random float32 tensors of those shapes; a .pt file
+    -> its tensor, or its tuple / list of tensors."""
+    import torch
+
+    if text.endswith(".pt"):
+        return _model_args("--example-input", text, _load_pt("--example-input", text))
+    shapes = text.split(",")
+    if not all(_SHAPE.match(s) for s in shapes):
+        raise UsageError(f"--example-input: {text!r} is neither a .pt file nor shapes; write dims joined by x "
+                         "and inputs separated by commas, e.g. 1x3x32x32 or 8x16,8x4")
+    generator = torch.Generator().manual_seed(0)
+    return tuple(torch.randn([int(d) for d in s.split("x")], generator=generator) for s in shapes)
+
+
+def calibration_batches(path: str, example: tuple) -> list[tuple]:
+    """A list of batches, or one tensor split into batches of the example's size."""
+    import torch
+
+    value = _load_pt("--calib-data", path)
+    if isinstance(value, torch.Tensor):
+        if len(example) != 1:
+            raise UsageError(f"--calib-data: {path!r} holds one tensor but the model takes {len(example)} inputs; "
+                             "save a list of batches, each a tuple of tensors")
+        size = example[0].shape[0] if example[0].dim() else 1
+        return [(b,) for b in value.split(size)]
+    if isinstance(value, tuple):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise UsageError(f"--calib-data: {path!r} holds a {type(value).__name__}; expected a tensor or a non-empty "
+                         "list of batches (each a tensor or a tuple of tensors)")
+    return [_model_args("--calib-data", path, b) for b in value]
+
+
+def quantizer_config(args):
+    from quantizers import ConfigError, QuantizerConfig, presets
+
+    if args.preset:
+        if args.preset not in presets.PRESETS:
+            raise UsageError(f"--preset: unknown preset {args.preset!r}; allowed: {', '.join(presets.PRESETS)}")
+        return presets.get_preset(args.preset)
+    if not Path(args.config).is_file():
+        raise UsageError(f"--config: no such file {args.config!r}")
+    try:
+        return QuantizerConfig.load(args.config)
+    except ConfigError as e:
+        raise UsageError(f"--config: {args.config}: {e}") from None
+    except Exception as e:  # YAML / JSON syntax
+        raise UsageError(f"--config: cannot read {args.config!r}: {e}") from None
+
+
+def _check_suffix(flag: str, path: Optional[str], suffix: str) -> None:
+    if path is not None and not path.endswith(suffix):
+        raise UsageError(f"{flag}: expected a {suffix} file name, got {path!r}")
+
+
+# -- commands ---------------------------------------------------------------------
+
+
+def _quiet() -> None:
+    """Known noise of the libraries under the commands: torch.onnx's notes
+    on a missing torchvision, torch's pytree deprecation (copying a
+    GraphModule)."""
+    import logging
+    import warnings
+
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
+
+
+def cmd_demo(args) -> int:
+    from . import demo
+
+    demo.run(args.out, float_epochs=args.float_epochs, qat_epochs=args.qat_epochs, threads=args.threads,
+             progress=not args.no_progress)
+    return 0
+
+
+def cmd_quantize(args) -> int:
+    _check_suffix("--out", args.out, ".pt2")
+    _check_suffix("--onnx", args.onnx, ".onnx")
+    example = example_inputs(args.example_input)
+    config = quantizer_config(args)
+    calibration = calibration_batches(args.calib_data, example) if args.calib_data else None
+    model = build_model(args.model)
+    import torch
+
+    with torch.no_grad():
+        try:
+            model(*example)
+        except Exception as e:
+            raise UsageError(f"--example-input: the model fails on inputs of shapes "
+                             f"{[tuple(t.shape) for t in example]}: {type(e).__name__}: {e}") from None
+    from . import pipeline
+    from .export import check_onnx, save, to_onnx
+    from .report import report
+
+    converted = pipeline.quantize(model, example, config, calibration=calibration, qat_steps=args.qat_steps,
+                                  lr=args.lr, progress=not args.no_progress)
+    report(converted, example, file=sys.stdout)
+    batch = pipeline.batch_dynamic_shapes(example)  # the files take any batch size
+    if args.out:
+        save(converted, example, args.out, dynamic_shapes=batch)
+        print(f"saved {args.out} ({Path(args.out).stat().st_size:,} bytes); load it with pt2e_fq.load")
+    if args.onnx:
+        to_onnx(converted, example, args.onnx, dynamic_shapes=batch)
+        check = check_onnx(args.onnx, converted, example)
+        print(f"saved {args.onnx} ({Path(args.onnx).stat().st_size:,} bytes); ONNX Runtime: {check.points} points "
+              f"bit-exact, outputs within {check.max_abs_diff_optimized:.3g} (one step: {check.tolerance:.3g})")
+    return 0
+
+
+def cmd_report(args) -> int:
+    _check_suffix("FILE.pt2", args.path, ".pt2")
+    if not Path(args.path).is_file():
+        raise UsageError(f"no such file {args.path!r}")
+    example = example_inputs(args.example_input) if args.example_input else None
+    from .export import load
+    from .report import report
+
+    try:
+        program = load(args.path)
+    except Exception as e:  # not a torch.export archive, or from another torch
+        raise UsageError(f"cannot load {args.path!r} as a torch.export program: {type(e).__name__}: {e}") from None
+    report(program, example, file=sys.stdout)
+    return 0
+
+
+COMMANDS = {"demo": cmd_demo, "quantize": cmd_quantize, "report": cmd_report}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)  # exits 2 with a usage message on a bad argument
+    _quiet()
+    try:
+        return COMMANDS[args.command](args)
+    except UsageError as e:
+        print(f"{PROG} {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001  (a message, not a traceback; --traceback shows it)
+        if args.traceback:
+            traceback.print_exc()
+        else:
+            print(f"{PROG} {args.command}: error: {type(e).__name__}: {e}\n(run with --traceback for details)",
+                  file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""`pt2e-fq demo`: the whole flow on a real data set, in about a minute on a
+laptop CPU.
+
+scikit-learn's 8x8 digits (shipped inside the package, no download) train a
+small CNN in float; PTQ with the w8a8 preset; QAT with w4a8 from the float
+weights, a few epochs with a progress bar; convert; .pt2 and ONNX files of
+each model; the quantized ONNX files run in ONNX Runtime on the test split.
+It ends with a table: accuracy, file bytes and training step time.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from tabulate import tabulate
+
+from . import digits, pipeline
+from .export import check_onnx, ort_session, save, to_onnx
+from .report import report
+from .step_time import step_times
+
+BATCH = 64
+
+
+@dataclass
+class Row:
+    """One model of the demo's table: where it ran, its test accuracy, the
+    bytes of its files and its training step time."""
+
+    model: str
+    runs_in: str
+    accuracy: float
+    pt2_bytes: Optional[int] = None
+    onnx_bytes: Optional[int] = None
+    step_ms: Optional[float] = None
+
+
+@dataclass
+class DemoResult:
+    rows: list[Row] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def table(self) -> str:
+        float_ms = self.rows[0].step_ms
+        body = []
+        for r in self.rows:
+            step = "" if r.step_ms is None else f"{r.step_ms:.1f}"
+            if r.step_ms is not None and r is not self.rows[0] and float_ms:
+                step += f" ({r.step_ms / float_ms:.1f}x float)"
+            body.append([r.model, r.runs_in, f"{100 * r.accuracy:.1f}%",
+                         "" if r.pt2_bytes is None else f"{r.pt2_bytes:,}",
+                         "" if r.onnx_bytes is None else f"{r.onnx_bytes:,}", step])
+        return tabulate(body, headers=["model", "runs in", "test accuracy", ".pt2 bytes", "ONNX bytes",
+                                       "train step ms"])
+
+
+def _epoch_batches(data: digits.Digits, seed: int):
+    return lambda epoch: data.batches("train", BATCH, seed=seed + epoch)
+
+
+def _onnx_runtime(path: Path):
+    """The ONNX file as a function of image tensors, in ONNX Runtime."""
+    session = ort_session(path)
+    name = session.get_inputs()[0].name
+    return lambda images: torch.from_numpy(session.run(None, {name: images.numpy()})[0])
+
+
+def _files(out: Path, name: str, model, example: tuple, batch) -> tuple[Path, Path]:
+    """`name`.pt2 and `name`.onnx of a float or converted model, any batch size."""
+    pt2, onnx_path = out / f"{name}.pt2", out / f"{name}.onnx"
+    save(model, example, pt2, dynamic_shapes=batch)
+    to_onnx(model, example, onnx_path, dynamic_shapes=batch)
+    return pt2, onnx_path
+
+
+def run(
+    out: Path | str = "demo-out",
+    *,
+    float_epochs: int = 8,
+    qat_epochs: int = 3,
+    calibration_batches: int = 8,
+    seed: int = 0,
+    threads: int = 1,
+    progress: bool = True,
+    log=print,
+) -> DemoResult:
+    """Runs the demo with `threads` torch threads (the CNN is tiny: one
+    thread is about as fast as several, and on a busy machine several
+    OpenMP threads mostly wait for each other), writes its files under `out`
+    and returns the table's rows."""
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _run(Path(out), float_epochs, qat_epochs, calibration_batches, seed, progress, log)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _run(out: Path, float_epochs, qat_epochs, calibration_batches, seed, progress, log) -> DemoResult:
+    start = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    result = DemoResult()
+    data = digits.load(seed=seed)
+    x_test, y_test = data.x_test, data.y_test
+    example = (data.x_train[:BATCH],)
+    batch = pipeline.batch_dynamic_shapes(example)
+    log(f"digits: {len(data.x_train)} training and {len(x_test)} test images of 8x8 pixels, {digits.CLASSES} classes")
+
+    # Float training.
+    torch.manual_seed(seed)
+    model = digits.DigitsCNN()
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    pipeline.train(model.train(), _epoch_batches(data, seed), F.cross_entropy, optimizer,
+                   epochs=float_epochs, desc="float", progress=progress)
+    model.eval()
+    pt2, onnx_path = _files(out, "float", model, example, batch)
+    float_row = Row("float", "torch", digits.accuracy(model, x_test, y_test), pt2.stat().st_size,
+                    onnx_path.stat().st_size)
+    result.rows.append(float_row)
+    float_state = copy.deepcopy(model.state_dict())
+
+    # PTQ w8a8: calibrate on a few training batches.
+    ptq = pipeline.prepare(model, example, "w8a8")
+    pipeline.calibrate(ptq, [x for x, _ in data.batches("train", BATCH, seed=seed)][:calibration_batches],
+                       progress=progress)
+    ptq = pipeline.convert(ptq)
+    pt2, onnx_path = _files(out, "ptq_w8a8", ptq, example, batch)
+    result.rows.append(Row("PTQ w8a8", "torch", digits.accuracy(ptq, x_test, y_test), pt2.stat().st_size,
+                           onnx_path.stat().st_size))
+    result.rows.append(Row("PTQ w8a8", "ONNX Runtime", digits.accuracy(_onnx_runtime(onnx_path), x_test, y_test),
+                           onnx_bytes=onnx_path.stat().st_size))
+
+    # QAT w4a8 from the float weights; first the step time against float.
+    model.load_state_dict(float_state)
+    qat = pipeline.prepare(model, example, "w4a8", qat=True)
+    ms = step_times({"float": model.train(), "qat": qat}, example, data.y_train[:BATCH], F.cross_entropy)
+    float_row.step_ms = ms["float"]
+    optimizer = torch.optim.Adam([p for p in qat.parameters() if p.requires_grad], lr=5e-4)
+    pipeline.train(qat, _epoch_batches(data, seed + 1000), F.cross_entropy, optimizer,
+                   epochs=qat_epochs, desc="QAT w4a8", progress=progress)
+    pipeline.freeze_qat(qat, data.x_train[:256])
+    qat = pipeline.convert(qat)
+    pt2, onnx_path = _files(out, "qat_w4a8", qat, example, batch)  # conv-bn folded on export
+    result.rows.append(Row("QAT w4a8", "torch", digits.accuracy(qat, x_test, y_test), pt2.stat().st_size,
+                           onnx_path.stat().st_size, step_ms=ms["qat"]))
+    result.rows.append(Row("QAT w4a8", "ONNX Runtime", digits.accuracy(_onnx_runtime(onnx_path), x_test, y_test),
+                           onnx_bytes=onnx_path.stat().st_size))
+    check = check_onnx(onnx_path, qat, (x_test[:BATCH],))
+    log(f"check_onnx {onnx_path.name}: {check.points} points bit-exact in ONNX Runtime; outputs within "
+        f"{check.max_abs_diff_optimized:.3g} of torch (one quantization step: {check.tolerance:.3g})")
+    with open(out / "qat_w4a8_report.txt", "w") as f:
+        report(qat, example, file=f)
+
+    result.seconds = time.perf_counter() - start
+    (out / "results.json").write_text(json.dumps(
+        {"rows": [asdict(r) for r in result.rows], "seconds": result.seconds}, indent=2) + "\n")
+    table = result.table()
+    (out / "results.md").write_text(table + "\n")
+    log(table)
+    log(f"files in {out}/ (.pt2, .onnx, qat_w4a8_report.txt, results.md, results.json); {result.seconds:.0f} s")
+    return result

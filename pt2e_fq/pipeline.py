@@ -1,0 +1,209 @@
+"""The PT2E quantization flow in a few calls.
+
+    from pt2e_fq import pipeline
+    prepared = pipeline.prepare(model, (x,), "w8a8")              # export -> annotate -> prepare_pt2e
+    pipeline.calibrate(prepared, calibration_batches)             # observers see data (tqdm bar)
+    converted = pipeline.convert(prepared)                        # convert_pt2e
+
+    qat = pipeline.prepare(model, (x,), "w4a8", qat=True)         # prepare_qat_pt2e on a train-mode export
+    pipeline.train(qat, batches, loss_fn, optimizer, epochs=3)    # any training loop works; this one has a bar
+    pipeline.freeze_qat(qat, batch)                               # eval mode, final weight qparams, observers off
+    converted = pipeline.convert(qat)
+
+`quantize` runs the whole flow for a model without labels (what the CLI
+does): calibration, then optionally QAT that distils the float model's
+outputs. The model is exported with a dynamic batch dimension, so the
+prepared and converted models take any batch size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Callable, Iterable, Optional, Sequence, Union
+
+import torch
+import torchao.quantization.pt2e as tao
+from torchao.quantization.pt2e import qat_utils
+from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e, prepare_qat_pt2e
+from tqdm import tqdm
+
+from quantizers import FakeQuantQuantizer, QuantizerConfig, presets
+
+from .export.program import as_args
+from .fake_quantize import FakeQuantize
+
+ConfigLike = Union[str, QuantizerConfig, FakeQuantQuantizer]
+
+
+def quantizer_for(config: ConfigLike) -> FakeQuantQuantizer:
+    """A FakeQuantQuantizer from a preset name, a QuantizerConfig or a quantizer."""
+    if isinstance(config, FakeQuantQuantizer):
+        return config
+    if isinstance(config, QuantizerConfig):
+        return FakeQuantQuantizer(config)
+    if isinstance(config, str):
+        return FakeQuantQuantizer(presets.get_preset(config))
+    raise TypeError(
+        f"config must be a preset name ({', '.join(presets.PRESETS)}), a QuantizerConfig or a "
+        f"FakeQuantQuantizer, got {type(config).__name__}"
+    )
+
+
+def batch_dynamic_shapes(example_args: tuple):
+    """Dimension 0 of every tensor argument dynamic (torch.export Dim.AUTO:
+    it stays static where the model needs it to)."""
+    return tuple({0: torch.export.Dim.AUTO} if t.dim() > 0 else None for t in example_args)
+
+
+def export(model: torch.nn.Module, example_inputs, *, dynamic_batch: bool = True) -> torch.fx.GraphModule:
+    """torch.export of `model` in its current train/eval mode, as the
+    GraphModule that prepare_pt2e takes."""
+    args = as_args(example_inputs)
+    dynamic_shapes = batch_dynamic_shapes(args) if dynamic_batch else None
+    return torch.export.export(model, args, dynamic_shapes=dynamic_shapes).module()
+
+
+def prepare(
+    model: torch.nn.Module, example_inputs, config: ConfigLike, *, qat: bool = False, dynamic_batch: bool = True
+) -> torch.fx.GraphModule:
+    """Exports `model` (train mode for QAT, eval mode for PTQ; the model's
+    own mode is restored), annotates it with our quantizer and runs
+    prepare_pt2e or prepare_qat_pt2e."""
+    quantizer = quantizer_for(config)
+    was_training = model.training
+    try:
+        gm = export(model.train(qat), example_inputs, dynamic_batch=dynamic_batch)
+    finally:
+        model.train(was_training)
+    return (prepare_qat_pt2e if qat else prepare_pt2e)(gm, quantizer)
+
+
+def calibrate(prepared: torch.nn.Module, batches: Iterable, *, progress: bool = True) -> torch.nn.Module:
+    """Runs every batch (a tensor or a tuple of tensors) through the prepared
+    model without gradients, so its observers see the data."""
+    with torch.no_grad():
+        for batch in tqdm(batches, desc="calibrate", disable=not progress, leave=False):
+            prepared(*as_args(batch))
+    return prepared
+
+
+def train(
+    model: torch.nn.Module,
+    batches: Union[Sequence, Callable[[int], Sequence]],
+    loss_fn: Callable,
+    optimizer: torch.optim.Optimizer,
+    *,
+    epochs: int = 1,
+    max_steps: Optional[int] = None,
+    desc: str = "train",
+    progress: bool = True,
+) -> list[float]:
+    """A plain training loop with a tqdm bar, for a float model or a model
+    from prepare_qat_pt2e; returns the loss of every step. `batches` is a
+    sequence of (inputs, target) pairs, or a callable from the epoch number
+    to such a sequence (to reshuffle); inputs is a tensor or a tuple of
+    tensors, loss_fn(output, target) a scalar. Stops after `epochs` epochs
+    or `max_steps` steps."""
+    if epochs < 1:
+        raise ValueError(f"train: epochs must be >= 1, got {epochs}")
+    losses = []
+    epoch_batches = batches(0) if callable(batches) else batches
+    total = epochs * len(epoch_batches) if max_steps is None else min(epochs * len(epoch_batches), max_steps)
+    with tqdm(total=total, desc=desc, disable=not progress, unit="step", mininterval=0.5) as bar:
+        for epoch in range(epochs):
+            if epoch > 0 and callable(batches):
+                epoch_batches = batches(epoch)
+            for inputs, target in epoch_batches:
+                optimizer.zero_grad(set_to_none=True)
+                loss = loss_fn(model(*as_args(inputs)), target)
+                loss.backward()
+                optimizer.step()
+                losses.append(float(loss.detach()))
+                bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+                bar.update(1)
+                if max_steps is not None and len(losses) >= max_steps:
+                    return losses
+    return losses
+
+
+def freeze_qat(prepared: torch.nn.Module, batch) -> torch.nn.Module:
+    """Ends QAT: eval mode (batch norms use their running statistics), one
+    forward of `batch` with the observers on, so the weight qparams of a
+    conv-bn see the final statistics, then every observer off."""
+    tao.move_exported_model_to_eval(prepared)
+    prepared.apply(tao.enable_observer)
+    with torch.no_grad():
+        prepared(*as_args(batch))
+    prepared.apply(tao.disable_observer)
+    return prepared
+
+
+def convert(prepared: torch.nn.Module) -> torch.fx.GraphModule:
+    """convert_pt2e: freezes every fake-quant point (one op call each).
+
+    When every point is one of ours, torchao's QAT conv-bn fold is skipped:
+    it matches only torchao's own quantize/dequantize patterns, of which such
+    a graph has none, and builds 96 pattern graphs to find that out (about
+    16 s on 2 CPU cores). The graph is the one convert_pt2e gives (tested);
+    folding batch norms is the export step's job."""
+    points = [m for m in prepared.modules() if isinstance(m, (tao.ObserverBase, tao.FakeQuantizeBase))]
+    if not all(isinstance(m, FakeQuantize) for m in points):
+        return convert_pt2e(prepared)
+    with _torchao_conv_bn_fold_skipped():
+        return convert_pt2e(prepared)
+
+
+@contextlib.contextmanager
+def _torchao_conv_bn_fold_skipped():
+    """torchao's _fold_conv_bn_qat without its pattern matching: what
+    remains is its clean-up (the batch norms' num_batches_tracked updates
+    removed, dead code eliminated), as convert_pt2e does it."""
+    helper = qat_utils._fold_conv_bn_qat_helper
+    qat_utils._fold_conv_bn_qat_helper = lambda m, *args, **kwargs: m
+    try:
+        yield
+    finally:
+        qat_utils._fold_conv_bn_qat_helper = helper
+
+
+def quantize(
+    model: torch.nn.Module,
+    example_inputs,
+    config: ConfigLike,
+    *,
+    calibration: Optional[Sequence] = None,
+    qat_steps: int = 0,
+    lr: float = 1e-4,
+    progress: bool = True,
+) -> torch.fx.GraphModule:
+    """The whole flow for a model without labels. PTQ: prepare, calibrate on
+    `calibration` (batches; default: the example inputs), convert. With
+    qat_steps > 0: prepare for QAT, calibrate, then train `qat_steps` steps
+    (Adam, `lr`) to match the float model's outputs on the calibration
+    batches (distillation, mean squared error), freeze and convert.
+    The model is not changed."""
+    if qat_steps < 0:
+        raise ValueError(f"quantize: qat_steps must be >= 0, got {qat_steps}")
+    example = as_args(example_inputs)
+    batches = [as_args(b) for b in (calibration if calibration is not None else [example])]
+    if not batches:
+        raise ValueError("quantize: calibration holds no batch")
+    model = copy.deepcopy(model)
+    prepared = prepare(model, example, config, qat=qat_steps > 0)
+    calibrate(prepared, batches, progress=progress)
+    if qat_steps > 0:
+        model.eval()
+        with torch.no_grad():
+            targets = [model(*b) for b in batches]
+        pairs = list(zip(batches, targets))
+        optimizer = torch.optim.Adam([p for p in prepared.parameters() if p.requires_grad], lr=lr)
+        epochs = -(-qat_steps // len(pairs))
+        train(prepared, pairs, _mse, optimizer, epochs=epochs, max_steps=qat_steps, desc="QAT", progress=progress)
+        freeze_qat(prepared, batches[0])
+    return convert(prepared)
+
+
+def _mse(output, target) -> torch.Tensor:
+    outputs, targets = as_args(output), as_args(target)
+    return sum(torch.nn.functional.mse_loss(o.float(), t.float()) for o, t in zip(outputs, targets))

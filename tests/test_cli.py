@@ -1,0 +1,227 @@
+"""The pt2e-fq command: argument errors (a message, an exit status, never a
+traceback), quantize runs on small models, and the demo end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import cli_models
+import pytest
+import torch
+from quantizer_models import sqnr_db, single_thread  # noqa: F401 (an autouse fixture: one thread)
+
+import pt2e_fq
+from pt2e_fq import cli
+
+TESTS = Path(__file__).parent
+
+
+def run_cli(*args, script=False):
+    """`python -m pt2e_fq ARGS` (script: the installed `pt2e-fq` console
+    script) in a fresh process, from the tests folder (so --model
+    cli_models:... imports)."""
+    command = [str(Path(sys.executable).parent / "pt2e-fq")] if script else [sys.executable, "-m", "pt2e_fq"]
+    env = dict(os.environ, PYTHONPATH="")
+    return subprocess.run([*command, *args], cwd=TESTS, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _main(capsys, *args):
+    """cli.main in this process: (exit status, stdout, stderr)."""
+    try:
+        rc = cli.main(list(args))
+    except SystemExit as e:  # argparse
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+QUANTIZE = ["quantize", "--model", "cli_models:tiny_mlp", "--example-input", "8x16", "--no-progress"]
+
+
+@pytest.mark.parametrize(
+    "script, args, status, message",
+    [
+        (False, ["quantize", "--model", "cli_models:tiny_mlp", "--example-input", "8x16", "--preset", "w9"], 2,
+         "pt2e-fq quantize: error: --preset: unknown preset 'w9'; allowed: w8a8, w4a8, w4a16, w8a16, fp8, mxfp8"),
+        (True, ["quantize", "--model", "cli_models:tiny_mlp"], 2, "required: --example-input"),
+        (False, ["quantize", "--model", "cli_models:broken", "--example-input", "8x16", "--preset", "w8a8"], 1,
+         "pt2e-fq quantize: error: RuntimeError: boom: the factory failed"),
+    ],
+    ids=["usage", "argparse-console-script", "failure"],
+)
+def test_errors_in_a_fresh_process_have_no_traceback(script, args, status, message):
+    result = run_cli(*args, script=script)
+    assert result.returncode == status
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_traceback_flag_shows_the_traceback(capsys):
+    rc, _, err = _main(capsys, "quantize", "--model", "cli_models:broken", "--example-input", "8x16",
+                       "--preset", "w8a8", "--traceback")
+    assert rc == 1
+    assert "Traceback" in err and "boom: the factory failed" in err
+
+
+def _write(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "tiny_mlp", "--example-input", "8x16", "--preset", "w8a8"],
+         "--model: expected MODULE:FACTORY (e.g. mypkg.models:build), got 'tiny_mlp'"),
+        (["--model", "no_such_module_xyz:build", "--example-input", "8x16", "--preset", "w8a8"],
+         "--model: cannot import module 'no_such_module_xyz'"),
+        (["--model", "cli_models:missing", "--example-input", "8x16", "--preset", "w8a8"],
+         "--model: module 'cli_models' has no attribute 'missing'"),
+        (["--model", "cli_models:not_a_model", "--example-input", "8x16", "--preset", "w8a8"],
+         "--model: cli_models:not_a_model() returned a str, not a torch.nn.Module"),
+        (["--model", "cli_models:tiny_mlp", "--example-input", "8x", "--preset", "w8a8"],
+         "--example-input: '8x' is neither a .pt file nor shapes"),
+        (["--model", "cli_models:tiny_mlp", "--example-input", "missing.pt", "--preset", "w8a8"],
+         "--example-input: no such file 'missing.pt'"),
+        (["--model", "cli_models:tiny_mlp", "--example-input", "8x17", "--preset", "w8a8"],
+         "--example-input: the model fails on inputs of shapes [(8, 17)]: RuntimeError"),
+        (["--model", "cli_models:tiny_mlp", "--example-input", "8x16", "--config", "missing.yaml"],
+         "--config: no such file 'missing.yaml'"),
+        (["--model", "cli_models:tiny_mlp", "--example-input", "8x16", "--preset", "w8a8", "--out", "m.onnx"],
+         "--out: expected a .pt2 file name, got 'm.onnx'"),
+        (["--model", "cli_models:tiny_mlp", "--example-input", "8x16", "--preset", "w8a8", "--onnx", "m.pt2"],
+         "--onnx: expected a .onnx file name, got 'm.pt2'"),
+    ],
+)
+def test_quantize_argument_errors(capsys, args, message):
+    rc, out, err = _main(capsys, "quantize", *args)
+    assert rc == 2
+    assert f"pt2e-fq quantize: error: {message}" in err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--preset", "w8a8", "--config", "c.yaml"], "argument --config: not allowed with argument --preset"),
+        (["--qat-steps", "-1", "--preset", "w8a8"], "argument --qat-steps: expected an integer >= 0, got '-1'"),
+        (["--qat-steps", "ten", "--preset", "w8a8"], "argument --qat-steps: expected an integer >= 0, got 'ten'"),
+        ([], "one of the arguments --preset --config is required"),
+        (["--preset", "w8a8", "--lr", "-0.1"], "argument --lr: expected a finite number > 0, got '-0.1'"),
+    ],
+)
+def test_quantize_argparse_errors(capsys, args, message):
+    rc, out, err = _main(capsys, *QUANTIZE, *args)
+    assert rc == 2
+    assert message in err
+
+
+def test_config_file_errors(capsys, tmp_path):
+    bad_key = _write(tmp_path / "bad.yaml", "global:\n  weight: {format: int8, granularty: per_tensor}\n")
+    rc, _, err = _main(capsys, *QUANTIZE, "--config", bad_key)
+    assert rc == 2 and "--config:" in err and "global.weight: unknown key 'granularty'" in err
+    bad_suffix = _write(tmp_path / "config.txt", "global: null\n")
+    rc, _, err = _main(capsys, *QUANTIZE, "--config", bad_suffix)
+    assert rc == 2 and "unknown suffix '.txt'; allowed: .yaml, .yml, .json" in err
+    bad_yaml = _write(tmp_path / "broken.yaml", "global: [unclosed\n")
+    rc, _, err = _main(capsys, *QUANTIZE, "--config", bad_yaml)
+    assert rc == 2 and f"--config: cannot read {bad_yaml!r}" in err
+
+
+def test_calib_data_errors(capsys, tmp_path):
+    path = tmp_path / "calib.pt"
+    torch.save({"x": torch.zeros(2, 16)}, path)
+    rc, _, err = _main(capsys, *QUANTIZE, "--preset", "w8a8", "--calib-data", str(path))
+    assert rc == 2 and "holds a dict; expected a tensor or a non-empty list of batches" in err
+    torch.save([torch.zeros(2, 16), "text"], path)
+    rc, _, err = _main(capsys, *QUANTIZE, "--preset", "w8a8", "--calib-data", str(path))
+    assert rc == 2 and "a model input must be a tensor or a tuple of tensors" in err
+    path.write_text("not a torch file")
+    rc, _, err = _main(capsys, *QUANTIZE, "--preset", "w8a8", "--calib-data", str(path))
+    assert rc == 2 and "cannot load" in err
+
+
+def test_example_input_shapes():
+    x, y = cli.example_inputs("2x3,4")
+    assert x.shape == (2, 3) and y.shape == (4,) and x.dtype == torch.float32
+
+
+def test_calibration_tensor_is_split_into_example_sized_batches(tmp_path):
+    path = tmp_path / "calib.pt"
+    torch.save(torch.arange(20.0).reshape(20, 1), path)
+    batches = cli.calibration_batches(str(path), (torch.zeros(8, 1),))
+    assert [b[0].shape[0] for b in batches] == [8, 8, 4]
+    assert torch.equal(torch.cat([b[0] for b in batches]), torch.arange(20.0).reshape(20, 1))
+
+
+def test_quantize_two_inputs_with_calibration_batches_and_qat(capsys, tmp_path):
+    path = tmp_path / "calib.pt"
+    g = torch.Generator().manual_seed(0)
+    torch.save([(torch.randn(4, 8, generator=g), torch.randn(4, 6, generator=g)) for _ in range(3)], path)
+    rc, out, err = _main(capsys, "quantize", "--model", "cli_models:two_inputs", "--example-input", "4x8,4x6",
+                         "--preset", "w4a8", "--calib-data", str(path), "--qat-steps", "3", "--no-progress")
+    assert rc == 0, err
+
+
+def test_quantize_writes_pt2_and_onnx_and_report_reads_the_pt2(capsys, tmp_path):
+    """tiny_mlp (linear -> relu -> linear), calibrated on one tensor whose
+    values run from -3 to 5: the input point's asymmetric int8 scale is
+    (5 - (-3)) / 255."""
+    calib, pt2, onnx_path = tmp_path / "calib.pt", tmp_path / "m.pt2", tmp_path / "m.onnx"
+    torch.save(torch.linspace(-3, 5, 20 * 16).reshape(20, 16), calib)
+    rc, out, err = _main(capsys, *QUANTIZE, "--preset", "w8a8", "--calib-data", str(calib),
+                         "--out", str(pt2), "--onnx", str(onnx_path))
+    assert rc == 0, err
+    assert "weight of linear" in out and "output of relu, input of linear_1" in out
+    assert f"saved {pt2}" in out and f"saved {onnx_path}" in out and "bit-exact" in out
+    program = pt2e_fq.load(pt2)
+    input_scale = next(v for k, v in program.state_dict.items() if k == "activation_post_process_0.scale")
+    assert input_scale.item() == pytest.approx(8 / 255, rel=1e-6)
+    x = torch.randn(5, 16)  # another batch size than the example's
+    with torch.no_grad():
+        reference, y = cli_models.tiny_mlp()(x), program.module()(x)
+    assert sqnr_db(reference, y) > 30
+
+    rc, out, err = _main(capsys, "report", str(pt2))
+    assert rc == 0, err
+    # Points: the input, two weights, relu's output (linear_1's input), linear_1's output.
+    assert out.count("activation_post_process_") == 5
+    assert "INT8 [-127, 127]" in out and "PerChannel(axis=0)" in out
+
+
+def test_report_errors(capsys, tmp_path):
+    rc, _, err = _main(capsys, "report", str(tmp_path / "missing.pt2"))
+    assert rc == 2 and "no such file" in err
+    rc, _, err = _main(capsys, "report", "model.onnx")
+    assert rc == 2 and "expected a .pt2 file name, got 'model.onnx'" in err
+    bad = tmp_path / "bad.pt2"
+    bad.write_text("not a program")
+    rc, _, err = _main(capsys, "report", str(bad))
+    assert rc == 2 and f"cannot load {str(bad)!r} as a torch.export program" in err
+
+
+def test_demo_end_to_end(tmp_path):
+    """The demo, shorter (3 float epochs, 1 QAT epoch): a float CNN that
+    learns the digits, PTQ w8a8 and QAT w4a8 close to it, the table and its
+    files."""
+    result = run_cli("demo", "--out", str(tmp_path), "--float-epochs", "3", "--qat-epochs", "1", "--no-progress")
+    assert result.returncode == 0, result.stderr
+    rows = {(r["model"], r["runs_in"]): r for r in json.loads((tmp_path / "results.json").read_text())["rows"]}
+    float_row = rows["float", "torch"]
+    assert float_row["accuracy"] > 0.95  # 10 classes: chance is 0.1
+    for model, floor in [("PTQ w8a8", 0.02), ("QAT w4a8", 0.03)]:
+        assert rows[model, "torch"]["accuracy"] >= float_row["accuracy"] - floor
+        # ONNX Runtime: the same predictions but where a float kernel's last bit moves a rounding.
+        assert abs(rows[model, "ONNX Runtime"]["accuracy"] - rows[model, "torch"]["accuracy"]) <= 0.01
+        assert (tmp_path / f"{model.lower().replace(' ', '_')}.pt2").is_file()
+    # int8 / int4 weights in the ONNX files: well under the float file.
+    assert rows["PTQ w8a8", "torch"]["onnx_bytes"] < 0.6 * float_row["onnx_bytes"]
+    assert rows["QAT w4a8", "torch"]["onnx_bytes"] < rows["PTQ w8a8", "torch"]["onnx_bytes"]
+    assert rows["QAT w4a8", "torch"]["step_ms"] > 0 and float_row["step_ms"] > 0
+    table = (tmp_path / "results.md").read_text()
+    assert table in result.stdout and "x float" in table
+    assert "points bit-exact in ONNX Runtime" in result.stdout
+    assert "weight of conv2d" in (tmp_path / "qat_w4a8_report.txt").read_text()
