@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import re
 import sys
 import traceback
+import zipfile
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -180,13 +182,43 @@ def calibration_batches(path: str, example: tuple) -> list[tuple]:
             raise UsageError(f"--calib-data: {path!r} holds one tensor but the model takes {len(example)} inputs; "
                              "save a list of batches, each a tuple of tensors")
         size = example[0].shape[0] if example[0].dim() else 1
-        return [(b,) for b in value.split(size)]
-    if isinstance(value, tuple):
-        value = [value]
-    if not isinstance(value, list) or not value:
-        raise UsageError(f"--calib-data: {path!r} holds a {type(value).__name__}; expected a tensor or a non-empty "
-                         "list of batches (each a tensor or a tuple of tensors)")
-    return [_model_args("--calib-data", path, b) for b in value]
+        batches = [(b,) for b in value.split(size)]
+    else:
+        if isinstance(value, tuple):
+            value = [value]
+        if not isinstance(value, list) or not value:
+            raise UsageError(f"--calib-data: {path!r} holds a {type(value).__name__}; expected a tensor or a "
+                             "non-empty list of batches (each a tensor or a tuple of tensors)")
+        batches = [_model_args("--calib-data", path, b) for b in value]
+    # The model is exported with a dynamic batch dimension only.
+    batch_free = [((None,) + tuple(t.shape[1:]) if t.dim() else (), t.dtype) for t in example]
+    for i, batch in enumerate(batches):
+        check_inputs("--calib-data", f"batch {i} of {path!r}", batch, batch_free)
+    return batches
+
+
+# Per positional input: (its shape, None for a dimension of any size; its dtype).
+InputSpec = list[tuple[tuple[Optional[int], ...], "torch.dtype"]]
+
+
+def _describe_inputs(spec: InputSpec) -> str:
+    def dims(shape):
+        return "(" + ", ".join("any" if d is None else str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
+
+    return "[" + ", ".join(f"{dims(shape)} {str(dtype).removeprefix('torch.')}" for shape, dtype in spec) + "]"
+
+
+def check_inputs(flag: str, what: str, given: tuple, expected: InputSpec) -> None:
+    """The inputs' count, dtypes and shapes match `expected` (None: any size),
+    or a UsageError that shows both."""
+
+    def fits(t, shape, dtype):
+        return t.dtype == dtype and t.dim() == len(shape) and all(d is None or d == n for d, n in zip(shape, t.shape))
+
+    if len(given) != len(expected) or not all(fits(t, *e) for t, e in zip(given, expected)):
+        got = [(tuple(t.shape), t.dtype) for t in given]
+        raise UsageError(f"{flag}: {what} has inputs {_describe_inputs(got)}; the model takes "
+                         f"{_describe_inputs(expected)}")
 
 
 def quantizer_config(args):
@@ -218,7 +250,6 @@ def _quiet() -> None:
     """Known noise of the libraries under the commands: torch.onnx's notes
     on a missing torchvision, torch's pytree deprecation (copying a
     GraphModule)."""
-    import logging
     import warnings
 
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
@@ -275,12 +306,34 @@ def cmd_report(args) -> int:
     from .export import load
     from .report import report
 
+    if not zipfile.is_zipfile(args.path):
+        raise UsageError(f"{args.path!r} is not a .pt2 archive (torch.export.save writes a zip file)")
+    export_log = logging.getLogger("torch.export")
+    level = export_log.level
+    export_log.setLevel(logging.CRITICAL)  # torch.export.load logs a traceback before it raises
     try:
         program = load(args.path)
     except Exception as e:  # not a torch.export archive, or from another torch
         raise UsageError(f"cannot load {args.path!r} as a torch.export program: {type(e).__name__}: {e}") from None
+    finally:
+        export_log.setLevel(level)
+    if example is not None:
+        check_inputs("--example-input", "the example", example, program_inputs(program))
     report(program, example, file=sys.stdout)
     return 0
+
+
+def program_inputs(program) -> InputSpec:
+    """What a saved program takes: its user inputs' shapes (None for a
+    dynamic dimension) and dtypes."""
+    import torch
+
+    placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    spec = []
+    for name in program.graph_signature.user_inputs:
+        value = placeholders[name].meta["val"]
+        spec.append((tuple(d if isinstance(d, int) else None for d in value.shape), value.dtype))
+    return spec
 
 
 COMMANDS = {"demo": cmd_demo, "quantize": cmd_quantize, "report": cmd_report}

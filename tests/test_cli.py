@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import cli_models
@@ -144,6 +145,26 @@ def test_calib_data_errors(capsys, tmp_path):
     assert rc == 2 and "cannot load" in err
 
 
+@pytest.mark.parametrize(
+    "batches, message",
+    [
+        ([torch.zeros(4, 15)], "batch 0 of {path!r} has inputs [(4, 15) float32]; the model takes [(any, 16) float32]"),
+        ([torch.zeros(4, 16), torch.zeros(4, 16, dtype=torch.float64)],
+         "batch 1 of {path!r} has inputs [(4, 16) float64]; the model takes [(any, 16) float32]"),
+        ([(torch.zeros(4, 16), torch.zeros(4, 16))],
+         "batch 0 of {path!r} has inputs [(4, 16) float32, (4, 16) float32]; the model takes [(any, 16) float32]"),
+        (torch.zeros(20, 3), "batch 0 of {path!r} has inputs [(8, 3) float32]; the model takes [(any, 16) float32]"),
+    ],
+    ids=["shape", "dtype", "count", "one-tensor"],
+)
+def test_calib_batches_must_match_the_example_but_for_the_batch_size(capsys, tmp_path, batches, message):
+    path = tmp_path / "calib.pt"
+    torch.save(batches, path)
+    rc, _, err = _main(capsys, *QUANTIZE, "--preset", "w8a8", "--calib-data", str(path))
+    assert rc == 2
+    assert f"pt2e-fq quantize: error: --calib-data: {message.format(path=str(path))}" in err
+
+
 def test_example_input_shapes():
     x, y = cli.example_inputs("2x3,4")
     assert x.shape == (2, 3) and y.shape == (4,) and x.dtype == torch.float32
@@ -191,6 +212,12 @@ def test_quantize_writes_pt2_and_onnx_and_report_reads_the_pt2(capsys, tmp_path)
     assert out.count("activation_post_process_") == 5
     assert "INT8 [-127, 127]" in out and "PerChannel(axis=0)" in out
 
+    rc, out, err = _main(capsys, "report", str(pt2), "--example-input", "3x16")  # the batch is dynamic
+    assert rc == 0 and out.count("activation_post_process_") == 5, err
+    rc, _, err = _main(capsys, "report", str(pt2), "--example-input", "8x15")
+    assert rc == 2
+    assert "--example-input: the example has inputs [(8, 15) float32]; the model takes [(any, 16) float32]" in err
+
 
 def test_report_errors(capsys, tmp_path):
     rc, _, err = _main(capsys, "report", str(tmp_path / "missing.pt2"))
@@ -200,7 +227,21 @@ def test_report_errors(capsys, tmp_path):
     bad = tmp_path / "bad.pt2"
     bad.write_text("not a program")
     rc, _, err = _main(capsys, "report", str(bad))
+    assert rc == 2 and f"{str(bad)!r} is not a .pt2 archive (torch.export.save writes a zip file)" in err
+    with zipfile.ZipFile(bad, "w") as archive:  # a zip, but no program in it
+        archive.writestr("hello.txt", "hi")
+    rc, _, err = _main(capsys, "report", str(bad))
     assert rc == 2 and f"cannot load {str(bad)!r} as a torch.export program" in err
+
+
+def test_report_load_failure_prints_no_traceback(tmp_path):
+    # torch.export.load logs a traceback (a logging warning) before it raises.
+    bad = tmp_path / "bad.pt2"
+    with zipfile.ZipFile(bad, "w") as archive:
+        archive.writestr("hello.txt", "hi")
+    result = run_cli("report", str(bad))
+    assert result.returncode == 2
+    assert "cannot load" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_demo_end_to_end(tmp_path):
