@@ -221,6 +221,17 @@ def check_inputs(flag: str, what: str, given: tuple, expected: InputSpec) -> Non
                          f"{_describe_inputs(expected)}")
 
 
+def program_inputs(program) -> InputSpec:
+    """What a saved program takes: its user inputs' shapes (None for a
+    dynamic dimension) and dtypes."""
+    placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    spec = []
+    for name in program.graph_signature.user_inputs:
+        value = placeholders[name].meta["val"]
+        spec.append((tuple(d if isinstance(d, int) else None for d in value.shape), value.dtype))
+    return spec
+
+
 def quantizer_config(args):
     from quantizers import ConfigError, QuantizerConfig, presets
 
@@ -321,19 +332,6 @@ def cmd_report(args) -> int:
         check_inputs("--example-input", "the example", example, program_inputs(program))
     report(program, example, file=sys.stdout)
     return 0
-
-
-def program_inputs(program) -> InputSpec:
-    """What a saved program takes: its user inputs' shapes (None for a
-    dynamic dimension) and dtypes."""
-    import torch
-
-    placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
-    spec = []
-    for name in program.graph_signature.user_inputs:
-        value = placeholders[name].meta["val"]
-        spec.append((tuple(d if isinstance(d, int) else None for d in value.shape), value.dtype))
-    return spec
 
 
 COMMANDS = {"demo": cmd_demo, "quantize": cmd_quantize, "report": cmd_report}
