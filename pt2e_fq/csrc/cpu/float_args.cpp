@@ -21,10 +21,7 @@ AxisBlocks check_axis_blocks(const char* op, const at::Tensor& x, int64_t block_
                     ") for x of ", ndim, " dimensions, got ", axis);
   TORCH_CHECK_VALUE(block_size >= 1, op, ": block_size must be >= 1, got ", block_size);
   const int64_t a = axis < 0 ? axis + ndim : axis;
-  AxisBlocks A{1, x.size(a), 1, block_size};
-  for (int64_t d = 0; d < a; ++d) A.outer *= x.size(d);
-  for (int64_t d = a + 1; d < ndim; ++d) A.inner *= x.size(d);
-  return A;
+  return make_axis_blocks(x.sizes().data(), static_cast<int>(ndim), static_cast<int>(a), block_size);
 }
 
 std::vector<int64_t> block_scale_shape(const at::Tensor& x, int64_t axis, const AxisBlocks& A) {

@@ -68,11 +68,8 @@ AffineInputs prepare_affine_inputs(const at::Tensor& x, at::IntArrayRef block_si
 
 AffineQparams affine_qparams(const AffineInputs& in, int64_t quant_min, int64_t quant_max) {
   const auto ptr = [](const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
-  // MINVAL: the integer offset is quant_min for every block.
-  const float ioff_const = in.minval.defined() ? static_cast<float>(quant_min) : 0.0f;
-  return {ptr(in.scale),     ptr(in.zero_point),
-          ptr(in.minval),    ioff_const,
-          static_cast<float>(quant_min), static_cast<float>(quant_max)};
+  return make_affine_qparams(ptr(in.scale), ptr(in.zero_point), ptr(in.minval), quant_min,
+                             quant_max);
 }
 
 at::Tensor qparam_as_float(const at::Tensor& x, const at::Tensor& t, const char* name,

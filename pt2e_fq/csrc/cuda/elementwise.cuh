@@ -89,6 +89,19 @@ inline int grid_size(int64_t work_items) {
   return static_cast<int>(wanted < cap ? (wanted > 0 ? wanted : 1) : cap);
 }
 
+// kernel<<<grid, block, 0, stream>>>(args...). The one place that launches:
+// under nvcc the launch syntax; in the CUDA simulation harness of the tests
+// (tests/cuda_sim, which compiles these files as host C++) its launcher.
+template <typename... Params, typename... Args>
+inline void launch(void (*kernel)(Params...), int grid, int block, cudaStream_t stream,
+                   Args... args) {
+#if defined(PT2E_FQ_CUDA_SIM)
+  cuda_sim::launch(kernel, grid, block, stream, args...);
+#else
+  kernel<<<grid, block, 0, stream>>>(args...);
+#endif
+}
+
 // Moves bit m of the low 32/VEC bits of x to bit m * VEC.
 template <int VEC>
 __device__ __forceinline__ uint32_t spread_bits(uint32_t x) {
@@ -198,8 +211,8 @@ template <typename T, int VEC, typename Op>
 void launch_blockwise_vec(const void* x, void* y, uint32_t* mask, int64_t numel, const Op& op,
                           const BlockLayout& layout, BlockLookup lookup, cudaStream_t stream) {
   const int64_t tiles = (numel + 32 * VEC - 1) / (32 * VEC);
-  blockwise_kernel<T, VEC, Op><<<grid_size(tiles * 32), kThreads, 0, stream>>>(
-      static_cast<const T*>(x), static_cast<T*>(y), mask, numel, op, layout, lookup);
+  launch(blockwise_kernel<T, VEC, Op>, grid_size(tiles * 32), kThreads, stream,
+         static_cast<const T*>(x), static_cast<T*>(y), mask, numel, op, layout, lookup);
 }
 
 // Picks the vector width and the qparam lookup, and launches.

@@ -91,9 +91,8 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T, typename Scaling>
 void launch_block_scaled(const void* x, void* y, uint32_t* mask, float* scales,
                          const AxisBlocks& A, const Scaling& sc, cudaStream_t stream) {
-  block_scaled_kernel<T, Scaling><<<grid_size(A.outer * A.blocks_per_axis() * A.inner), kThreads,
-                                    0, stream>>>(static_cast<const T*>(x), static_cast<T*>(y),
-                                                 mask, scales, A, sc);
+  launch(block_scaled_kernel<T, Scaling>, grid_size(A.outer * A.blocks_per_axis() * A.inner),
+         kThreads, stream, static_cast<const T*>(x), static_cast<T*>(y), mask, scales, A, sc);
 }
 
 // max |x| as bits (abs_bits) into *out, which starts at 0.
@@ -152,10 +151,10 @@ cudaError_t launch_fake_quantize_nvfp4(ElemType type, const void* x, void* y,
     using T = decltype(tag);
     if (amax_scratch != nullptr) {
       if (numel > 0) {
-        max_abs_bits_kernel<T><<<grid_size(numel), kThreads, 0, stream>>>(
-            static_cast<const T*>(x), numel, amax_scratch);
+        launch(max_abs_bits_kernel<T>, grid_size(numel), kThreads, stream, static_cast<const T*>(x),
+               numel, amax_scratch);
       }
-      nvfp4_global_scale_kernel<<<1, 1, 0, stream>>>(amax_scratch, global_scale);
+      launch(nvfp4_global_scale_kernel, 1, 1, stream, amax_scratch, global_scale);
     }
     if (numel > 0) {
       launch_block_scaled<T>(x, y, mask_words, scales, blocks, Nvfp4Scaling{global_scale}, stream);

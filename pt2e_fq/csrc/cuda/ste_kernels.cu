@@ -36,11 +36,11 @@ void launch_typed(const void* dy, const uint8_t* mask, void* dx, int64_t numel,
                   cudaStream_t stream) {
   constexpr int V = kVec<T>;
   if (aligned16(dy) && aligned16(dx)) {
-    ste_kernel<T, V><<<grid_size((numel + V - 1) / V), kThreads, 0, stream>>>(
-        static_cast<const T*>(dy), mask, static_cast<T*>(dx), numel);
+    launch(ste_kernel<T, V>, grid_size((numel + V - 1) / V), kThreads, stream,
+           static_cast<const T*>(dy), mask, static_cast<T*>(dx), numel);
   } else {
-    ste_kernel<T, 1><<<grid_size(numel), kThreads, 0, stream>>>(
-        static_cast<const T*>(dy), mask, static_cast<T*>(dx), numel);
+    launch(ste_kernel<T, 1>, grid_size(numel), kThreads, stream, static_cast<const T*>(dy), mask,
+           static_cast<T*>(dx), numel);
   }
 }
 

@@ -27,6 +27,19 @@ struct AffineQparams {
   PT2E_FQ_HD float foff_at(int64_t b) const { return foff ? foff[b] : 0.0f; }
 };
 
+// The kernel view of per-block fp32 qparams: ZP when zero_point is given
+// (or neither), MINVAL when minval is (its integer offset is quant_min).
+inline AffineQparams make_affine_qparams(const float* scale, const float* zero_point,
+                                         const float* minval, int64_t quant_min,
+                                         int64_t quant_max) {
+  return {scale,
+          zero_point,
+          minval,
+          minval ? static_cast<float>(quant_min) : 0.0f,
+          static_cast<float>(quant_min),
+          static_cast<float>(quant_max)};
+}
+
 PT2E_FQ_HD float fake_quantize_affine_one(float x, float scale, float ioff, float foff,
                                           float qmin, float qmax, bool& in_range) {
   const float q = add_rn(round_half_even(div_rn(sub_rn(x, foff), scale)), ioff);

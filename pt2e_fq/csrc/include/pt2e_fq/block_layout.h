@@ -97,4 +97,13 @@ struct AxisBlocks {
   PT2E_FQ_HD int64_t blocks_per_axis() const { return (len + block - 1) / block; }
 };
 
+// x of `shape` (ndim dimensions) as blocks of `block` along dimension `axis`
+// (0 <= axis < ndim): the dimensions before it are `outer`, after it `inner`.
+inline AxisBlocks make_axis_blocks(const int64_t* shape, int ndim, int axis, int64_t block) {
+  AxisBlocks A{1, shape[axis], 1, block};
+  for (int d = 0; d < axis; ++d) A.outer *= shape[d];
+  for (int d = axis + 1; d < ndim; ++d) A.inner *= shape[d];
+  return A;
+}
+
 }  // namespace pt2e_fq
