@@ -11,13 +11,15 @@ CUDA) every test here is skipped with that reason.
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
+from kernel_cases import (
+    AFFINE_VARIANTS, BLOCK_SHAPES, E2M1, E4M3, ELEM_DTYPES, FLOAT_VARIANTS, block_input, dtype_id,
+    param_grid, with_specials,
+)
 
 from conftest import FLOAT_DTYPES, assert_bits_equal, make_case
-from pt2e_fq import ops
+from pt2e_fq import ops, reference
 
 
 def _cuda_kernels_registered() -> bool:
@@ -31,26 +33,6 @@ pytestmark = pytest.mark.skipif(
     reason="no CUDA device, or pt2e_fq built without its CUDA kernels (PT2E_FQ_CUDA=1): "
     "the CUDA kernels are tested on a GPU machine",
 )
-
-E4M3, E5M2, E2M1 = torch.float8_e4m3fn, torch.float8_e5m2, torch.float4_e2m1fn_x2
-ELEM_DTYPES = (E4M3, E5M2, E2M1)
-SPECIALS = (float("nan"), float("inf"), -float("inf"), 0.0, -0.0)
-
-
-def dtype_id(d):
-    return str(d).removeprefix("torch.")
-
-
-def param_grid(variants, *choices):
-    """pytest params: every variant (its id first) with every combination of
-    the choices (formats, dtypes, layouts, ...), ids from their names."""
-    name = lambda c: dtype_id(c) if isinstance(c, torch.dtype) else str(c)  # noqa: E731
-    return [
-        pytest.param(v, *combo, id="-".join([v[0], *map(name, combo)]))
-        for v in variants
-        for combo in itertools.product(*choices)
-    ]
-
 
 # ---------------------------------------------------------------------------
 # Memory layouts of x. The op makes x contiguous (a copy for a non-contiguous
@@ -75,17 +57,6 @@ def in_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
     out.copy_(x)
     assert out.data_ptr() % 16 != 0
     return out
-
-
-def with_specials(x: torch.Tensor, seed: int) -> torch.Tensor:
-    """x with NaN, +-Inf and signed zeros at a few random positions."""
-    g = torch.Generator().manual_seed(seed)
-    x = x.clone()
-    flat = x.view(-1)
-    if flat.numel() >= 64:
-        idx = torch.randperm(flat.numel(), generator=g)[: 4 * len(SPECIALS)]
-        flat[idx] = torch.tensor(SPECIALS * 4, dtype=x.dtype)
-    return x
 
 
 def gradient_seed(x: torch.Tensor, seed: int) -> torch.Tensor:
@@ -127,21 +98,6 @@ def assert_same_results(fn, x, others, layout, seed=0):
 # kernel's three qparam lookups (one block, one block per vector, per
 # element), full and partial tiles, and several tiles per warp all occur.
 
-AFFINE_VARIANTS = [
-    # (id, shape, block_size, zero point formulation, (quant_min, quant_max))
-    ("per_tensor_int8", (67, 129), (67, 129), "random", (-128, 127)),
-    ("per_channel_axis0_int8", (96, 160), (1, 160), "random", (-128, 127)),
-    ("per_channel_last_axis_uint8", (96, 160), (96, 1), "random", (0, 255)),
-    ("per_channel_middle_axis_int4", (4, 33, 50), (4, 1, 50), "random", (-8, 7)),
-    ("per_block_2d_int4", (64, 96), (16, 32), "random", (-8, 7)),
-    ("ragged_blocks_int8", (70, 45), (3, 16), "random", (-128, 127)),
-    ("per_group_ragged_int4", (37, 70), (1, 32), "random", (-8, 7)),
-    ("per_group_vector_ragged_int2", (40, 200), (1, 64), "random", (-2, 1)),
-    ("minval_int4", (48, 96), (1, 16), "minval", (0, 15)),
-    ("no_zero_point_int16", (48, 96), (2, 16), "none", (-(2**15), 2**15 - 1)),
-]
-
-
 @pytest.mark.parametrize("variant,dtype,layout", param_grid(AFFINE_VARIANTS, FLOAT_DTYPES, LAYOUTS))
 def test_affine_cuda_equals_cpu(variant, dtype, layout):
     _, shape, block_size, zp, (qmin, qmax) = variant
@@ -161,22 +117,13 @@ def test_affine_cuda_equals_cpu(variant, dtype, layout):
 # ---------------------------------------------------------------------------
 # Float formats with static scales: FP8 E4M3 / E5M2 and FP4 E2M1.
 
-FLOAT_VARIANTS = [
-    # (id, shape, block_size)
-    ("per_tensor", (67, 129), (67, 129)),
-    ("per_channel_axis0", (96, 160), (1, 160)),
-    ("per_channel_last_axis", (96, 160), (96, 1)),
-    ("per_block_ragged", (70, 45), (3, 16)),
-]
-
-
 @pytest.mark.parametrize("variant,fmt,dtype,layout", param_grid(FLOAT_VARIANTS, ELEM_DTYPES, FLOAT_DTYPES, LAYOUTS))
 def test_float_cuda_equals_cpu(variant, fmt, dtype, layout):
     _, shape, block_size = variant
     g = torch.Generator().manual_seed(11)
     rshape = [-(-s // b) for s, b in zip(shape, block_size)]
     scale = torch.rand(rshape, generator=g) * 0.5 + 0.01
-    fmax = {E4M3: 448.0, E5M2: 57344.0, E2M1: 6.0}[fmt]
+    fmax = reference.FLOAT_FORMATS[fmt][0]
     x = with_specials((torch.randn(shape, generator=g) * fmax * 0.3).to(dtype), seed=5)
     block = list(block_size)
     if layout == "empty":
@@ -190,25 +137,6 @@ def test_float_cuda_equals_cpu(variant, fmt, dtype, layout):
 
 # ---------------------------------------------------------------------------
 # Block-scaled formats whose scales come from the data: MX and NVFP4.
-
-BLOCK_SHAPES = [
-    # (id, shape, axis): ragged last block, blocks along an outer axis, a
-    # middle axis, a single row.
-    ("last_axis_ragged", (37, 100), -1),
-    ("axis0", (70, 48), 0),
-    ("middle_axis", (5, 45, 33), 1),
-    ("one_row", (1, 4099), -1),
-]
-
-
-def block_input(shape, dtype, seed):
-    """Data with blocks of very different magnitude, an all-zero block, a
-    block holding a NaN, Inf and signed zeros."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-20, 20, shape, generator=g).float() / 4)
-    x.view(-1)[:40] = 0.0
-    return with_specials(x.to(dtype), seed)
-
 
 @pytest.mark.parametrize("shape,fmt,dtype,layout", param_grid(BLOCK_SHAPES, ELEM_DTYPES, FLOAT_DTYPES, LAYOUTS))
 def test_mx_cuda_equals_cpu(shape, fmt, dtype, layout):

@@ -1,0 +1,263 @@
+"""The CUDA kernels without a GPU: the unchanged .cu files, compiled as host
+C++ with the simulation harness of tests/cuda_sim (blocks of fibers,
+lockstep warp collectives) under AddressSanitizer and UBSan, against the CPU
+kernels bit for bit: y, the packed mask, the block scales, the global scale,
+and the STE gradient. The harness stops on what would be undefined
+behaviour on a GPU; the self-tests at the end show it does.
+
+What stays GPU-only (tests/test_cuda_kernels.py on a GPU machine): the torch
+binding (binding.cpp: argument checks, allocation, streams), tensors over
+2^31 elements, real concurrency between warps and blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from kernel_cases import (
+    AFFINE_VARIANTS, BLOCK_SHAPES, ELEM_DTYPES, FLOAT_VARIANTS, block_input, param_grid, with_specials,
+)
+
+from conftest import FLOAT_DTYPES, affine_cases, assert_bits_equal, make_case
+from pt2e_fq import ops, reference
+
+ROOT = Path(__file__).resolve().parent.parent
+SIM = ROOT / "tests" / "cuda_sim"
+CUDA_SOURCES = sorted((ROOT / "pt2e_fq" / "csrc" / "cuda").glob("*.cu"))
+# -D__CUDA_ARCH__: the shared headers take their device branches (__fdiv_rn ...).
+FLAGS = [
+    "-std=c++17", "-O1", "-g", "-fno-omit-frame-pointer", "-ffp-contract=off",
+    "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+    "-D__CUDACC__", "-D__CUDA_ARCH__=900", "-DPT2E_FQ_CUDA_SIM",
+    f"-I{SIM / 'include'}", f"-I{SIM}", f"-I{ROOT / 'pt2e_fq' / 'csrc' / 'include'}",
+    f"-I{ROOT / 'pt2e_fq' / 'csrc' / 'cuda'}",
+]
+DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+# aligned: malloc's 16 bytes (the kernels' vector path); misaligned: one
+# element further (their scalar path); empty: no element.
+PLACEMENTS = ("aligned", "misaligned", "empty")
+
+
+@pytest.fixture(scope="session")
+def driver() -> Path:
+    """The harness's driver, built once per version of its sources (about 15 s)."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    assert cxx, "the CUDA simulation harness needs a C++17 compiler (g++) on PATH"
+    inputs = sorted(p for d in (SIM, ROOT / "pt2e_fq" / "csrc") for p in d.rglob("*") if p.is_file())
+    digest = hashlib.sha256("\0".join(FLAGS).encode())
+    for path in inputs:
+        digest.update(path.read_bytes())
+    exe = ROOT / "build" / "cuda_sim" / f"driver-{digest.hexdigest()[:16]}"
+    if not exe.exists():
+        exe.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [cxx, *FLAGS, "-x", "c++", *map(str, CUDA_SOURCES), "-x", "none",
+               str(SIM / "cuda_sim.cpp"), str(SIM / "driver.cpp"), "-o", f"{exe}.tmp"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"building the CUDA simulation harness failed:\n{done.stderr[-4000:]}"
+        Path(f"{exe}.tmp").rename(exe)
+    return exe
+
+
+def run(driver: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(driver), *args], capture_output=True, text=True, timeout=600)
+
+
+def raw(t: torch.Tensor) -> bytes:
+    flat = torch.empty(t.numel(), dtype=t.dtype).copy_(t.reshape(-1))  # stride 1, even for one element
+    return flat.view(torch.uint8).numpy().tobytes()
+
+
+def read(path: Path, dtype: torch.dtype, shape) -> torch.Tensor:
+    data = path.read_bytes()
+    if not data:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+class Case:
+    """One case directory for the driver: case.txt and the input arrays."""
+
+    def __init__(self, root: Path, name: str, op: str, x: torch.Tensor, placement: str, **kv):
+        self.dir = root / name
+        self.dir.mkdir()
+        self.x = x
+        offset = x.element_size() if placement == "misaligned" else 0
+        fields = dict(op=op, dtype=DTYPE_NAMES[x.dtype], shape=",".join(map(str, x.shape)), offset=offset, **kv)
+        (self.dir / "case.txt").write_text("".join(f"{k}={v}\n" for k, v in fields.items()))
+        if op != "ste":  # the STE's input is dy (ste_case)
+            self.put("x.bin", x)
+
+    def put(self, name: str, t: torch.Tensor) -> None:
+        (self.dir / name).write_bytes(raw(t))
+
+    def output(self, name: str, dtype: torch.dtype, shape) -> torch.Tensor:
+        return read(self.dir / name, dtype, shape)
+
+    def mask(self) -> torch.Tensor:
+        return self.output("mask.bin", torch.uint8, (-(-self.x.numel() // 8),))
+
+
+def simulate(driver: Path, *cases: Case) -> None:
+    done = run(driver, *(str(c.dir) for c in cases))
+    assert done.returncode == 0, f"the simulated kernels failed (exit {done.returncode}):\n{done.stderr[-4000:]}"
+
+
+def ste_case(root: Path, mask: torch.Tensor, like: torch.Tensor, placement: str) -> tuple[Case, torch.Tensor]:
+    """A case for the STE kernel on the CPU op's mask, and the CPU's dx."""
+    g = torch.Generator().manual_seed(like.numel())
+    dy = torch.randn(like.shape, generator=g).to(like.dtype)
+    if dy.numel() >= 16:
+        dy.view(-1)[torch.randperm(dy.numel(), generator=g)[:8]] = float("nan")
+    case = Case(root, "ste", "ste", dy, placement)
+    case.put("dy.bin", dy)
+    case.put("mask.bin", mask)
+    return case, torch.ops.pt2e_fq.ste_grad(dy, mask)
+
+
+def assert_forward_and_backward(driver, root, forward: Case, expected: tuple, placement: str, extra=()):
+    """Runs the forward case and the STE on its mask; compares y, the mask,
+    the named extra outputs ((file, expected tensor)) and dx."""
+    y_ref, mask_ref = expected[0], expected[1]
+    backward, dx_ref = ste_case(root, mask_ref, forward.x, placement)
+    simulate(driver, forward, backward)
+    assert_bits_equal(forward.output("y.bin", forward.x.dtype, forward.x.shape), y_ref)
+    assert torch.equal(forward.mask(), mask_ref), "packed mask differs"
+    for name, want in extra:
+        assert_bits_equal(forward.output(name, want.dtype, want.shape), want)
+    assert_bits_equal(backward.output("dx.bin", dx_ref.dtype, dx_ref.shape), dx_ref)
+
+
+# ---------------------------------------------------------------------------
+# Every op variant against the CPU kernels.
+
+
+def affine_forward(root, x, block, scale, zero_point, minval, qmin, qmax, placement) -> tuple[Case, tuple]:
+    expected = torch.ops.pt2e_fq.fake_quantize_affine(x, block, scale, zero_point, qmin, qmax, minval)
+    case = Case(root, "affine", "affine", x, placement, block=",".join(map(str, block)), qmin=qmin, qmax=qmax,
+                zp=int(zero_point is not None), minval=int(minval is not None))
+    case.put("scale.bin", scale.float())
+    if zero_point is not None:
+        case.put("zp.bin", zero_point.float())  # the binding passes zero points as fp32 too
+    if minval is not None:
+        case.put("minval.bin", minval.float())
+    return case, expected
+
+
+@pytest.mark.parametrize("variant,dtype,placement", param_grid(AFFINE_VARIANTS, FLOAT_DTYPES, PLACEMENTS))
+def test_affine_kernel_equals_cpu(driver, tmp_path, variant, dtype, placement):
+    _, shape, block, zp, (qmin, qmax) = variant
+    c = make_case(shape, block, dtype, (qmin, qmax), zp=zp, seed=len(shape))
+    x, qparams = with_specials(c.x, seed=3), (c.scale, c.zero_point, c.minval)
+    if placement == "empty":
+        x, qparams = x[:0], tuple(None if t is None else t[:0] for t in qparams)
+    case, expected = affine_forward(tmp_path, x, list(block), *qparams, qmin, qmax, placement)
+    assert_forward_and_backward(driver, tmp_path, case, expected, placement)
+
+
+@settings(max_examples=25, deadline=None)
+@given(affine_cases(max_numel=4000))
+def test_affine_kernel_equals_cpu_on_random_cases(driver, c):
+    with tempfile.TemporaryDirectory() as tmp:
+        case, expected = affine_forward(Path(tmp), c.x.contiguous(), c.block_size, c.scale, c.zero_point, c.minval,
+                                        c.quant_min, c.quant_max, "aligned")
+        assert_forward_and_backward(driver, Path(tmp), case, expected, "aligned")
+
+
+@pytest.mark.parametrize(
+    "variant,fmt,dtype,placement", param_grid(FLOAT_VARIANTS, ELEM_DTYPES, FLOAT_DTYPES, PLACEMENTS)
+)
+def test_float_kernel_equals_cpu(driver, tmp_path, variant, fmt, dtype, placement):
+    _, shape, block = variant
+    g = torch.Generator().manual_seed(11)
+    scale = torch.rand([-(-s // b) for s, b in zip(shape, block)], generator=g) * 0.5 + 0.01
+    x = with_specials((torch.randn(shape, generator=g) * reference.FLOAT_FORMATS[fmt][0] * 0.3).to(dtype), seed=5)
+    if placement == "empty":
+        x, scale = x[:0], scale[:0]
+    name = ops._elem_format("fake_quantize_float", "dtype", fmt)
+    expected = torch.ops.pt2e_fq.fake_quantize_float(x, list(block), scale, name)
+    case = Case(tmp_path, "float", "float", x, placement, block=",".join(map(str, block)), fmt=name)
+    case.put("scale.bin", scale)
+    assert_forward_and_backward(driver, tmp_path, case, expected, placement)
+
+
+def block_scaled_input(shape, axis, dtype, placement, seed):
+    x = block_input(shape, dtype, seed)
+    return (x.narrow(axis, 0, 0) if placement == "empty" else x), axis % len(shape)
+
+
+@pytest.mark.parametrize(
+    "shape,fmt,dtype,placement", param_grid(BLOCK_SHAPES, ELEM_DTYPES, FLOAT_DTYPES, PLACEMENTS)
+)
+def test_mx_kernel_equals_cpu(driver, tmp_path, shape, fmt, dtype, placement):
+    x, axis = block_scaled_input(shape[1], shape[2], dtype, placement, seed=7)
+    name = ops._elem_format("fake_quantize_mx", "elem_dtype", fmt)
+    y, mask, scales = torch.ops.pt2e_fq.fake_quantize_mx(x, name, 32, axis)
+    case = Case(tmp_path, "mx", "mx", x, placement, fmt=name, block=32, axis=axis)
+    assert_forward_and_backward(driver, tmp_path, case, (y, mask), placement, [("scales.bin", scales)])
+
+
+@pytest.mark.parametrize("block", [1, 7, 16, 64])
+def test_mx_kernel_with_other_block_sizes_equals_cpu(driver, tmp_path, block):
+    x = block_input((33, 90), torch.bfloat16, seed=13)
+    y, mask, scales = torch.ops.pt2e_fq.fake_quantize_mx(x, "e2m1", block, 1)
+    case = Case(tmp_path, "mx", "mx", x, "aligned", fmt="e2m1", block=block, axis=1)
+    assert_forward_and_backward(driver, tmp_path, case, (y, mask), "aligned", [("scales.bin", scales)])
+
+
+@pytest.mark.parametrize(
+    "shape,global_scale,dtype,placement", param_grid(BLOCK_SHAPES, ("computed", "given"), FLOAT_DTYPES, PLACEMENTS)
+)
+def test_nvfp4_kernel_equals_cpu(driver, tmp_path, shape, global_scale, dtype, placement):
+    x, axis = block_scaled_input(shape[1], shape[2], dtype, placement, seed=9)
+    given = torch.tensor(0.0123) if global_scale == "given" else None
+    y, mask, scales, used = torch.ops.pt2e_fq.fake_quantize_nvfp4(x, given, axis)
+    case = Case(tmp_path, "nvfp4", "nvfp4", x, placement, axis=axis, **{"global": int(given is not None)})
+    if given is not None:
+        case.put("global.bin", given)
+    extra = [("scales.bin", scales), ("global_out.bin", used.reshape(()))]
+    assert_forward_and_backward(driver, tmp_path, case, (y, mask), placement, extra)
+
+
+@pytest.mark.parametrize("placement", ["aligned", "misaligned"])
+def test_ste_kernel_equals_cpu_for_every_tail_length(driver, tmp_path, dtype, placement):
+    cases, expected = [], []
+    for n in (1, 7, 8, 9, 31, 33, 255, 257, 1000, 4103, 70001):
+        mask = reference.pack_mask(torch.rand(n, generator=torch.Generator().manual_seed(n)) < 0.5)
+        (tmp_path / str(n)).mkdir()
+        case, dx = ste_case(tmp_path / str(n), mask, torch.empty(n, dtype=dtype), placement)
+        cases.append(case)
+        expected.append(dx)
+    simulate(driver, *cases)
+    for case, dx in zip(cases, expected):
+        assert_bits_equal(case.output("dx.bin", dx.dtype, dx.shape), dx)
+
+
+# ---------------------------------------------------------------------------
+# The harness itself: correct collectives, and what it must stop.
+
+
+@pytest.mark.parametrize(
+    "name,message",
+    [
+        ("collectives", None),
+        ("early_exit_before_ballot", "__ballot_sync not reached by every lane of the warp"),
+        ("divergent_ballots", "divergent warp"),
+        ("early_exit_before_syncthreads", "__syncthreads not reached by every thread of the block"),
+        ("write_past_the_end", "AddressSanitizer: heap-buffer-overflow"),
+    ],
+)
+def test_harness_runs_collectives_and_stops_undefined_behaviour(driver, name, message):
+    done = run(driver, "--selftest", name)
+    if message is None:
+        assert done.returncode == 0, done.stderr[-2000:]
+    else:
+        assert done.returncode != 0 and message in done.stderr, done.stderr[-2000:]
+        if "AddressSanitizer" not in message:
+            assert f"in {name} at line" in done.stderr  # names the kernel
