@@ -5,14 +5,19 @@ kernels bit for bit: y, the packed mask, the block scales, the global scale,
 and the STE gradient. The harness stops on what would be undefined
 behaviour on a GPU; the self-tests at the end show it does.
 
+Past 2^31 elements, the kernels run on sparse buffers and only the last
+blocks of their grid, which compute the tensor's end: 64-bit tile, mask and
+scale indices without allocating or computing the rest.
+
 What stays GPU-only (tests/test_cuda_kernels.py on a GPU machine): the torch
-binding (binding.cpp: argument checks, allocation, streams), tensors over
-2^31 elements, real concurrency between warps and blocks.
+binding (binding.cpp: argument checks, allocation, streams), the middle of
+a tensor over 2^31 elements, real concurrency between warps and blocks.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
 import tempfile
@@ -65,8 +70,9 @@ def driver() -> Path:
     return exe
 
 
-def run(driver: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(driver), *args], capture_output=True, text=True, timeout=600)
+def run(driver: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([str(driver), *args], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {})})
 
 
 def raw(t: torch.Tensor) -> bytes:
@@ -84,12 +90,14 @@ def read(path: Path, dtype: torch.dtype, shape) -> torch.Tensor:
 class Case:
     """One case directory for the driver: case.txt and the input arrays."""
 
-    def __init__(self, root: Path, name: str, op: str, x: torch.Tensor, placement: str, **kv):
+    def __init__(self, root: Path, name: str, op: str, x: torch.Tensor, placement: str, shape=None, **kv):
+        """shape: the tensor's, when x holds only its tail (the `tail` key)."""
         self.dir = root / name
         self.dir.mkdir()
         self.x = x
         offset = x.element_size() if placement == "misaligned" else 0
-        fields = dict(op=op, dtype=DTYPE_NAMES[x.dtype], shape=",".join(map(str, x.shape)), offset=offset, **kv)
+        shape = ",".join(map(str, x.shape if shape is None else shape))
+        fields = dict(op=op, dtype=DTYPE_NAMES[x.dtype], shape=shape, offset=offset, **kv)
         (self.dir / "case.txt").write_text("".join(f"{k}={v}\n" for k, v in fields.items()))
         if op != "ste":  # the STE's input is dy (ste_case)
             self.put("x.bin", x)
@@ -104,8 +112,8 @@ class Case:
         return self.output("mask.bin", torch.uint8, (-(-self.x.numel() // 8),))
 
 
-def simulate(driver: Path, *cases: Case) -> None:
-    done = run(driver, *(str(c.dir) for c in cases))
+def simulate(driver: Path, *cases: Case, env: dict | None = None) -> None:
+    done = run(driver, *(str(c.dir) for c in cases), env=env)
     assert done.returncode == 0, f"the simulated kernels failed (exit {done.returncode}):\n{done.stderr[-4000:]}"
 
 
@@ -237,6 +245,64 @@ def test_ste_kernel_equals_cpu_for_every_tail_length(driver, tmp_path, dtype, pl
     simulate(driver, *cases)
     for case, dx in zip(cases, expected):
         assert_bits_equal(case.output("dx.bin", dx.dtype, dx.shape), dx)
+
+
+# ---------------------------------------------------------------------------
+# Past 2^31 elements: a device with enough multiprocessors that the grid needs
+# no grid-stride step, and only its last blocks run (they cover at least the
+# last 3 * 8 warps * 256 fp16 elements); the driver computes on sparse
+# buffers and returns the last TAIL elements.
+
+HUGE = {"PT2E_FQ_SIM_SMS": str(1 << 20), "PT2E_FQ_SIM_LAST_BLOCKS": "4"}
+TAIL = 4096
+
+
+def big_shape(cols: int) -> tuple[int, int]:
+    rows = -(-(2**31 + 5000) // cols)
+    return rows, cols
+
+
+def tail_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """The mask bits of the last TAIL elements from the driver's mask bytes,
+    which start at the byte holding bit numel - TAIL."""
+    bits = (packed.int().unsqueeze(1) >> torch.arange(8)) & 1
+    first = (numel - TAIL) % 8
+    return bits.reshape(-1)[first:first + TAIL].bool()
+
+
+@pytest.mark.parametrize("cols", [2**15, 2**15 + 3], ids=["vector_lookup", "element_lookup_partial_tile"])
+def test_affine_kernel_past_2_pow_31_elements(driver, tmp_path, cols):
+    rows, cols = big_shape(cols)
+    numel = rows * cols
+    assert numel > 2**31
+    g = torch.Generator().manual_seed(cols)
+    scale = torch.rand(rows, 1, generator=g) * 0.05 + 0.001
+    x_tail = (torch.randn(TAIL, generator=g) * 3).half()
+    case = Case(tmp_path, "affine", "affine", x_tail, "aligned", shape=(rows, cols), block=f"1,{cols}",
+                qmin=-128, qmax=127, zp=0, minval=0, tail=TAIL)
+    case.put("scale.bin", scale)
+    simulate(driver, case, env=HUGE)
+    # The last TAIL elements lie in the last row.
+    y_ref, mask_ref = torch.ops.pt2e_fq.fake_quantize_affine(x_tail.reshape(1, TAIL), [1, TAIL], scale[-1:],
+                                                             None, -128, 127, None)
+    assert_bits_equal(read(case.dir / "y.bin", torch.float16, (1, TAIL)), y_ref)
+    mask = tail_bits(read(case.dir / "mask.bin", torch.uint8, (-1,)), numel)
+    assert torch.equal(mask, tail_bits(mask_ref, TAIL)), "mask bits of the tail differ"
+
+
+def test_ste_kernel_past_2_pow_31_elements(driver, tmp_path):
+    rows, cols = big_shape(2**15)
+    numel = rows * cols
+    g = torch.Generator().manual_seed(1)
+    dy = torch.randn(TAIL, generator=g).half()
+    bits = torch.rand(TAIL, generator=g) < 0.5
+    first = (numel - TAIL) % 8
+    case = Case(tmp_path, "ste", "ste", dy, "aligned", shape=(rows, cols), tail=TAIL)
+    case.put("dy.bin", dy)
+    case.put("mask.bin", reference.pack_mask(torch.cat([torch.zeros(first, dtype=torch.bool), bits])))
+    simulate(driver, case, env=HUGE)
+    expected = torch.ops.pt2e_fq.ste_grad(dy, reference.pack_mask(bits))
+    assert_bits_equal(read(case.dir / "dx.bin", torch.float16, (TAIL,)), expected)
 
 
 # ---------------------------------------------------------------------------

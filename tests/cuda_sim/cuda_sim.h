@@ -39,7 +39,8 @@ enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16 };
 using cudaStream_t = struct CUstream_st*;
 
 // One device whose multiprocessor count is PT2E_FQ_SIM_SMS (default 1), so
-// the kernels' grids are small and their grid-stride loops iterate.
+// the kernels' grids are small and their grid-stride loops iterate. With
+// PT2E_FQ_SIM_LAST_BLOCKS=k a launch runs only the last k blocks of its grid.
 cudaError_t cudaGetDevice(int* device);
 cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device);
 cudaError_t cudaGetLastError();

@@ -5,9 +5,16 @@
 // exactly the bytes the binding allocates, so AddressSanitizer stops an
 // access past either end. `offset` (bytes) shifts x / dy and y / dx off
 // malloc's 16-byte alignment, as a tensor view at an odd offset would.
+// `tail` (elements, affine and ste only): x / dy hold only the tensor's last
+// `tail` elements and only those of y / dx and the mask are written back;
+// with PT2E_FQ_SIM_LAST_BLOCKS that tests 64-bit indexing past 2^31
+// elements without computing or allocating the rest.
 //
 //   cuda_sim_driver CASE_DIR...        exit 0, or a message and exit != 0
 //   cuda_sim_driver --selftest NAME    a kernel with undefined behaviour
+#include <sys/mman.h>
+
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -63,29 +70,47 @@ Case read_case(const std::string& dir) {
   return c;
 }
 
-// A heap buffer of exactly `bytes` (plus `offset` in front), filled from a file or zeroed.
+// A zeroed heap buffer of exactly `bytes` (plus `offset` in front). Sparse:
+// reserved address space instead (pages appear when touched), for tensors of
+// over 2^31 elements of which only the end is computed; AddressSanitizer
+// does not check such memory.
 struct Buffer {
   char* base = nullptr;
   char* data = nullptr;
-  size_t bytes = 0;
-  Buffer(size_t n, size_t offset = 0) : bytes(n) {
-    base = static_cast<char*>(std::malloc(n + offset + 1));  // +1: malloc(0) may return null
+  size_t bytes = 0, mapped = 0;
+  Buffer(size_t n, size_t offset = 0, bool sparse = false) : bytes(n) {
+    if (sparse) {
+      mapped = n + offset;
+      void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (p == MAP_FAILED) die("cannot reserve " + std::to_string(mapped) + " bytes");
+      base = static_cast<char*>(p);
+    } else {
+      base = static_cast<char*>(std::malloc(n + offset + 1));  // +1: malloc(0) may return null
+      std::memset(base, 0, n + offset + 1);
+    }
     data = base + offset;
-    std::memset(base, 0, n + offset + 1);
   }
   Buffer(const Buffer&) = delete;
-  ~Buffer() { std::free(base); }
+  ~Buffer() {
+    if (mapped) {
+      munmap(base, mapped);
+    } else {
+      std::free(base);
+    }
+  }
   template <typename T>
   T* as() {
     return reinterpret_cast<T*>(data);
   }
 };
 
-void load(Buffer& b, const std::string& file) {
+// Fills the last `bytes` of b (all of it by default) from a file of that size.
+void load(Buffer& b, const std::string& file, size_t bytes = SIZE_MAX) {
+  if (bytes == SIZE_MAX) bytes = b.bytes;
   std::ifstream in(file, std::ios::binary);
   if (!in) die(file + ": cannot read");
-  in.read(b.data, static_cast<std::streamsize>(b.bytes));
-  if (static_cast<size_t>(in.gcount()) != b.bytes) die(file + ": shorter than " + std::to_string(b.bytes) + " bytes");
+  in.read(b.data + (b.bytes - bytes), static_cast<std::streamsize>(bytes));
+  if (static_cast<size_t>(in.gcount()) != bytes) die(file + ": shorter than " + std::to_string(bytes) + " bytes");
 }
 
 void save(const char* data, size_t bytes, const std::string& file) {
@@ -124,19 +149,23 @@ void run_case(const Case& c) {
   const size_t data_bytes = static_cast<size_t>(numel) * esize;
   const size_t mask_word_bytes = static_cast<size_t>((numel + 31) / 32) * 4;
   const int ndim = static_cast<int>(shape.size());
+  const int64_t tail = c.kv.count("tail") ? c.num("tail") : numel;
+  const bool sparse = tail < numel;
+  const size_t tail_bytes = static_cast<size_t>(tail) * esize;
+  const size_t mask_bytes = static_cast<size_t>(packed_mask_bytes(numel));
+  const size_t mask_tail_from = static_cast<size_t>((numel - tail) / 8);  // the byte holding the tail's first bit
 
   if (op == "ste") {
-    Buffer dy(data_bytes, offset), mask(static_cast<size_t>(packed_mask_bytes(numel))),
-        dx(data_bytes, offset);
-    load(dy, c.path("dy.bin"));
-    load(mask, c.path("mask.bin"));
+    Buffer dy(data_bytes, offset, sparse), mask(mask_bytes, 0, sparse), dx(data_bytes, offset, sparse);
+    load(dy, c.path("dy.bin"), tail_bytes);
+    load(mask, c.path("mask.bin"), mask_bytes - mask_tail_from);
     check(cuda::launch_ste_grad(type, dy.data, mask.as<uint8_t>(), dx.data, numel, nullptr), c);
-    save(dx.data, data_bytes, c.path("dx.bin"));
+    save(dx.data + (data_bytes - tail_bytes), tail_bytes, c.path("dx.bin"));
     return;
   }
 
-  Buffer x(data_bytes, offset), y(data_bytes, offset), mask(mask_word_bytes);
-  load(x, c.path("x.bin"));
+  Buffer x(data_bytes, offset, sparse), y(data_bytes, offset, sparse), mask(mask_word_bytes, 0, sparse);
+  load(x, c.path("x.bin"), tail_bytes);
   if (op == "affine" || op == "float") {
     const std::vector<int64_t> block = c.list("block");
     BlockLayout layout;
@@ -182,8 +211,8 @@ void run_case(const Case& c) {
   } else {
     die(c.dir + ": unknown op " + op);
   }
-  save(y.data, data_bytes, c.path("y.bin"));
-  save(mask.data, static_cast<size_t>(packed_mask_bytes(numel)), c.path("mask.bin"));
+  save(y.data + (data_bytes - tail_bytes), tail_bytes, c.path("y.bin"));
+  save(mask.data + mask_tail_from, mask_bytes - mask_tail_from, c.path("mask.bin"));
 }
 
 }  // namespace
