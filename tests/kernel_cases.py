@@ -70,13 +70,15 @@ FLOAT_VARIANTS = [
 
 BLOCK_SHAPES = [
     # (id, shape, axis): ragged last block, blocks along an outer axis, a
-    # middle axis, a single row, and more blocks than the simulation
-    # harness's grid has threads (2048), so its grid-stride loop iterates.
+    # middle axis, a single row, more blocks than the simulation harness's
+    # grid has threads (2048), so its grid-stride loop iterates, and rows of
+    # whole blocks (the warp kernel's mask words by one ballot).
     ("last_axis_ragged", (37, 100), -1),
     ("axis0", (70, 48), 0),
     ("middle_axis", (5, 45, 33), 1),
     ("one_row", (1, 4099), -1),
     ("many_blocks", (70, 1000), -1),
+    ("rows_of_whole_blocks", (24, 256), -1),
 ]
 
 

@@ -58,7 +58,8 @@ struct MaskBits {
 
 // One thread per block (outer, block along the axis, inner position), inner
 // fastest: when blocks run along an outer axis (inner > 1) neighbouring
-// threads read neighbouring addresses. Pass one takes the block amax, pass
+// threads read neighbouring addresses; blocks along the last axis take the
+// warp kernel below where they can. Pass one takes the block amax, pass
 // two quantizes (the re-read hits the cache).
 template <typename T, typename Scaling>
 __global__ void __launch_bounds__(kThreads)
@@ -88,9 +89,70 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Blocks along the innermost dimension (inner == 1) whose size is a power of
+// two up to 32 (MX's 32, NVFP4's 16): a warp takes 32 / block blocks at a
+// time, a lane per element, so its loads are coalesced (the kernel above
+// gives each thread a whole block, and neighbouring threads read a block
+// apart). Each group of `block` lanes takes its amax by a butterfly of
+// shuffles; when the warp's elements are consecutive (no ragged block among
+// them) one ballot gives their mask bits, else each lane sets its own.
+template <typename T, typename Scaling>
+__global__ void __launch_bounds__(kThreads)
+    block_scaled_warp_kernel(const T* __restrict__ x, T* __restrict__ y,
+                             uint32_t* __restrict__ mask, float* __restrict__ scales,
+                             AxisBlocks A, Scaling sc) {
+  const int lane = threadIdx.x & 31;
+  const int64_t per_warp = 32 / A.block;
+  const int64_t nb = A.blocks_per_axis();
+  const int64_t total = A.outer * nb;
+  const int64_t groups = (total + per_warp - 1) / per_warp;
+  const int64_t first_warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t num_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  const int64_t t = lane % A.block;  // the lane's element in its block
+  for (int64_t group = first_warp; group < groups; group += num_warps) {  // warp-uniform
+    const int64_t g = group * per_warp + lane / A.block;  // the lane's block: outer * nb + j
+    const int64_t n = g < total ? min(A.block, A.len - (g % nb) * A.block) : 0;
+    const bool active = t < n;
+    const int64_t i = (g / nb) * A.len + (g % nb) * A.block + t;
+    const float v = active ? to_f32(x[i]) : 0.0f;
+    uint32_t amax = active ? abs_bits(v) : 0u;
+    for (int offset = static_cast<int>(A.block) / 2; offset > 0; offset /= 2) {
+      amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
+    }
+    const float block_scale = sc.block_scale(amax_from_bits(amax));
+    bool in_range = false;
+    if (active) {
+      if (t == 0) scales[g] = block_scale;
+      y[i] = from_f32<T>(
+          fake_quantize_float_one<Scaling::kElem>(v, sc.element_scale(block_scale), in_range));
+    }
+    // Lane 0's element (always active when any lane is) starts the run.
+    const int64_t g0 = group * per_warp;
+    const int64_t i0 = (g0 / nb) * A.len + (g0 % nb) * A.block;
+    const uint32_t bits = __ballot_sync(0xFFFFFFFFu, in_range);
+    if (__ballot_sync(0xFFFFFFFFu, !active || i == i0 + lane) == 0xFFFFFFFFu) {
+      if (lane == 0 && bits) {  // neighbouring warps may share the words: OR
+        const int shift = static_cast<int>(i0 & 31);
+        atomicOr(mask + (i0 >> 5), bits << shift);
+        const uint32_t high = shift ? bits >> (32 - shift) : 0u;
+        if (high) atomicOr(mask + (i0 >> 5) + 1, high);
+      }
+    } else if (in_range) {
+      atomicOr(mask + (i >> 5), 1u << (i & 31));
+    }
+  }
+}
+
 template <typename T, typename Scaling>
 void launch_block_scaled(const void* x, void* y, uint32_t* mask, float* scales,
                          const AxisBlocks& A, const Scaling& sc, cudaStream_t stream) {
+  const bool warp_blocks = A.inner == 1 && A.block <= 32 && (A.block & (A.block - 1)) == 0;
+  if (warp_blocks) {
+    const int64_t groups = (A.outer * A.blocks_per_axis() + 32 / A.block - 1) / (32 / A.block);
+    launch(block_scaled_warp_kernel<T, Scaling>, grid_size(groups * 32), kThreads, stream,
+           static_cast<const T*>(x), static_cast<T*>(y), mask, scales, A, sc);
+    return;
+  }
   launch(block_scaled_kernel<T, Scaling>, grid_size(A.outer * A.blocks_per_axis() * A.inner),
          kThreads, stream, static_cast<const T*>(x), static_cast<T*>(y), mask, scales, A, sc);
 }
