@@ -401,3 +401,22 @@ def test_qat_step_on_cuda_makes_no_host_sync(preset):
     with _sync_is_an_error():
         step()
         step()
+
+
+def test_step_times_on_cuda_count_the_steps_kernels():
+    # A step of a large Linear is milliseconds of GPU work and microseconds
+    # of Python: a timer that does not wait for the GPU reads the latter.
+    from pt2e_fq.step_time import step_times
+
+    model = torch.nn.Linear(4096, 4096).cuda()
+    x, target = torch.randn(8192, 4096, device="cuda"), torch.randn(8192, 4096, device="cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(5):
+        torch.nn.functional.mse_loss(model(x), target).backward()
+    end.record()
+    end.synchronize()
+    gpu_ms = start.elapsed_time(end) / 5
+    ms = step_times({"linear": model}, (x,), target, torch.nn.functional.mse_loss, steps=5, warmup=1)
+    assert ms["linear"] >= 0.8 * gpu_ms, (ms, gpu_ms)
