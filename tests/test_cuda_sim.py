@@ -62,11 +62,12 @@ def driver() -> Path:
     exe = ROOT / "build" / "cuda_sim" / f"driver-{digest.hexdigest()[:16]}"
     if not exe.exists():
         exe.parent.mkdir(parents=True, exist_ok=True)
+        tmp = f"{exe}.{os.getpid()}"  # pytest-xdist workers may build at once: each its own file
         cmd = [cxx, *FLAGS, "-x", "c++", *map(str, CUDA_SOURCES), "-x", "none",
-               str(SIM / "cuda_sim.cpp"), str(SIM / "driver.cpp"), "-o", f"{exe}.tmp"]
+               str(SIM / "cuda_sim.cpp"), str(SIM / "driver.cpp"), "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, f"building the CUDA simulation harness failed:\n{done.stderr[-4000:]}"
-        Path(f"{exe}.tmp").rename(exe)
+        Path(tmp).replace(exe)
     return exe
 
 
