@@ -172,6 +172,21 @@ def register_ste_autograd(op_name: str, num_inputs: int) -> None:
 register_ste_autograd("pt2e_fq::fake_quantize_affine", num_inputs=7)
 
 
+def _save_ste_mask(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1])
+
+
+def _ste_grad_backward(ctx, grad_dx):
+    # ste_grad is linear in its gradient (a select by the mask), so its own
+    # gradient is the same select: this makes the STE twice differentiable,
+    # as ATen's fake-quant backward is (d/dx sum(d(y^2)/dx) = 2 * mask).
+    (mask,) = ctx.saved_tensors
+    return torch.ops.pt2e_fq.ste_grad(grad_dx.contiguous(), mask), None
+
+
+torch.library.register_autograd("pt2e_fq::ste_grad", _ste_grad_backward, setup_context=_save_ste_mask)
+
+
 # ---------------------------------------------------------------------------
 # Float formats: FP8 E4M3 / E5M2 and FP4 E2M1 with static scales, and the
 # block-scaled MX and NVFP4 formats whose scales the kernel computes.

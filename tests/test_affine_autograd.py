@@ -83,3 +83,31 @@ def test_ste_grad_op_against_unpacked_mask(dtype):
         grad = torch.randn(numel, generator=g).to(dtype)
         dx = torch.ops.pt2e_fq.ste_grad(grad, reference.pack_mask(mask))
         assert_bits_equal(dx, torch.where(mask, grad, torch.zeros_like(grad)))
+
+
+def test_double_backward_is_twice_the_mask(dtype):
+    # d/dx sum(d(y^2)/dx) through the STE: dy = 2y, dx = mask * 2y, and its
+    # derivative is 2 * mask (what ATen's fake-quant ops give), never None.
+    case = make_case((6, 40), (1, 8), dtype, (-8, 7))
+    _, mask, _ = case.ref()
+    x = case.x.detach().requires_grad_()
+    y = ops.fake_quantize_affine(x, *case.args()[1:], minval=case.minval)
+    (g,) = torch.autograd.grad(y.float().square().sum(), x, create_graph=True)
+    (gg,) = torch.autograd.grad(g.float().sum(), x)
+    assert_bits_equal(gg, (2 * mask).to(dtype))
+
+
+def test_double_backward_of_the_float_formats():
+    x = (torch.randn(4, 64, generator=torch.Generator().manual_seed(0)) * 100).requires_grad_()
+    ops_and_raw = [
+        (lambda t: ops.fake_quantize_float(t, [4, 64], torch.tensor(0.05), torch.float8_e4m3fn),
+         lambda t: torch.ops.pt2e_fq.fake_quantize_float(t, [4, 64], torch.tensor(0.05), "e4m3")),
+        (lambda t: ops.fake_quantize_mx(t, torch.float4_e2m1fn_x2),
+         lambda t: torch.ops.pt2e_fq.fake_quantize_mx(t, "e2m1", 32, -1)),
+        (ops.fake_quantize_nvfp4, lambda t: torch.ops.pt2e_fq.fake_quantize_nvfp4(t, None, -1)),
+    ]
+    for fn, raw in ops_and_raw:
+        (g,) = torch.autograd.grad(fn(x).square().sum(), x, create_graph=True)
+        (gg,) = torch.autograd.grad(g.sum(), x)
+        mask = ops.unpack_mask(raw(x.detach())[1], x.shape)
+        assert torch.equal(gg, 2 * mask.float())
