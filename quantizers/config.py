@@ -187,6 +187,10 @@ class QuantizerConfig:
                 raise ConfigError(f"{section}: expected a mapping, got {type(entries).__name__} {entries!r}")
             for key, value in entries.items():
                 where = f"{section}[{key!r}]"
+                if not isinstance(key, str):
+                    # YAML reads `0:` as an int: a key that would never match a module path, type or op
+                    raise ConfigError(f"{where}: keys of {section} are strings (quote it in YAML: "
+                                      f"'{key}'), got {type(key).__name__}")
                 entry = op_config(where, value)
                 if section == "operator_type":
                     if key not in OP_TYPES:

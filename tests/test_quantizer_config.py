@@ -162,3 +162,18 @@ def test_setter_and_file_errors(tmp_path):
         OpConfig(weight="int8")
     with pytest.raises(ConfigError, match="unknown suffix '.toml'; allowed: .yaml, .yml, .json"):
         QuantizerConfig().save(tmp_path / "c.toml")
+
+
+@pytest.mark.parametrize("section", ["module_name", "module_name_regex", "operator_type", "module_type"])
+def test_a_yaml_key_that_is_not_a_string_is_refused(tmp_path, section):
+    # YAML reads `0:` as the int 0, a key that would never match the module
+    # path "0" (nn.Sequential's first child): the layer would be quantized
+    # against the config.
+    path = tmp_path / "config.yaml"
+    path.write_text(f"{section}:\n  0: null\n")
+    with pytest.raises(ConfigError, match=rf"{section}\[0\]: keys of {section} are strings \(quote it in YAML: '0'\), got int"):
+        QuantizerConfig.load(path)
+    path.write_text(f"{section}:\n  '0': null\n")
+    if section in ("module_name", "module_name_regex"):  # quoted, it is the module path "0"
+        resolution = QuantizerConfig.load(path).resolve("linear", [("0", "torch.nn.Linear")])
+        assert resolution.config is None and resolution.rule.endswith("'0'")
