@@ -119,9 +119,8 @@ def test_onnx_runtime_reproduces_the_model_bit_for_bit(case, tmp_path):
     assert result.points == len(fake_quant_nodes(model))  # each compared bit for bit
 
 
-def test_check_onnx_takes_an_input_named_like_a_builtin(tmp_path):
-    """nn.Sequential's forward argument is `input`, which FX renames in the
-    program's module (`input_1`); the first point reads it."""
+def _sequential_w8a8_onnx(tmp_path):
+    """(float model, converted model, x, path of the converted model's ONNX file)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
     x = torch.randn(4, 16)
@@ -130,7 +129,23 @@ def test_check_onnx_takes_an_input_named_like_a_builtin(tmp_path):
     converted = convert_pt2e(gm)
     path = tmp_path / "sequential.onnx"
     to_onnx(converted, (x,), path)
+    return model, converted, x, path
+
+
+def test_check_onnx_takes_an_input_named_like_a_builtin(tmp_path):
+    """nn.Sequential's forward argument is `input`, which FX renames in the
+    program's module (`input_1`); the first point reads it."""
+    _, converted, _, path = _sequential_w8a8_onnx(tmp_path)
     assert check_onnx(path, converted, (torch.randn(4, 16),)).points == len(fake_quant_nodes(converted))
+
+
+def test_check_onnx_refuses_the_float_model_for_a_quantized_file(tmp_path):
+    # The float model has no point to check, so every comparison would pass vacuously.
+    model, converted, x, path = _sequential_w8a8_onnx(tmp_path)
+    points = len(fake_quant_nodes(converted))
+    with pytest.raises(AssertionError, match=rf"the model has no fake-quant point.*the file has {points} point\(s\): "
+                                             "pass the converted model it was exported from, not the float model"):
+        check_onnx(path, model, (x,))
 
 
 def test_dynamic_per_token_activations_with_a_dynamic_batch(tmp_path):

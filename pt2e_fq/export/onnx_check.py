@@ -154,7 +154,13 @@ def _check_points(model, ep, values) -> int:
     metadata = {p.key: p.value for p in model.metadata_props}.get(POINTS_METADATA)
     if metadata is None:
         raise AssertionError(f"check_onnx: the file has no {POINTS_METADATA!r} metadata; export it with to_onnx")
-    inputs = {p["output"]: p["input"] for p in json.loads(metadata)}
+    file_points = json.loads(metadata)
+    inputs = {p["output"]: p["input"] for p in file_points}
+    if not any(is_fake_quant(node) for node in ep.graph.nodes):
+        suspect = (f"the file has {len(file_points)} point(s): pass the converted model it was exported "
+                   "from, not the float model" if file_points else
+                   "neither has the file: export and check a converted model (pipeline.convert)")
+        raise AssertionError(f"check_onnx: the model has no fake-quant point, so nothing would be checked; {suspect}")
     extractor = Extractor(model)
     checked = 0
     for node in ep.graph.nodes:
