@@ -180,8 +180,7 @@ def _ste_grad_backward(ctx, grad_dx):
     # ste_grad is linear in its gradient (a select by the mask), so its own
     # gradient is the same select: this makes the STE twice differentiable,
     # as ATen's fake-quant backward is (d/dx sum(d(y^2)/dx) = 2 * mask).
-    (mask,) = ctx.saved_tensors
-    return torch.ops.pt2e_fq.ste_grad(grad_dx.contiguous(), mask), None
+    return _ste_backward(ctx, grad_dx), None
 
 
 torch.library.register_autograd("pt2e_fq::ste_grad", _ste_grad_backward, setup_context=_save_ste_mask)

@@ -42,6 +42,16 @@ def with_specials(x: torch.Tensor, seed: int) -> torch.Tensor:
     return x
 
 
+def gradient_seed(x: torch.Tensor, seed: int) -> torch.Tensor:
+    """dy for x with a NaN at a few positions: the STE must give 0 (a select)
+    where the element was clamped, and NaN only where it was not."""
+    g = torch.Generator().manual_seed(seed + 1)
+    dy = torch.randn(x.shape, generator=g).to(x.dtype)
+    if dy.numel() >= 16:
+        dy.view(-1)[torch.randperm(dy.numel(), generator=g)[:8]] = float("nan")
+    return dy
+
+
 # Integer affine: every granularity and formulation. The last variant is
 # long enough that the grid-stride loop iterates in the simulation harness
 # (one simulated SM: 64 warps) in every dtype.

@@ -15,7 +15,7 @@ import pytest
 import torch
 from kernel_cases import (
     AFFINE_VARIANTS, BLOCK_SHAPES, E2M1, E4M3, ELEM_DTYPES, FLOAT_VARIANTS, block_input, dtype_id,
-    param_grid, with_specials,
+    gradient_seed, param_grid, with_specials,
 )
 
 from conftest import FLOAT_DTYPES, assert_bits_equal, make_case
@@ -57,16 +57,6 @@ def in_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
     out.copy_(x)
     assert out.data_ptr() % 16 != 0
     return out
-
-
-def gradient_seed(x: torch.Tensor, seed: int) -> torch.Tensor:
-    """dy for x with a NaN at a few positions: the STE must give 0 (a select)
-    where the element was clamped, and NaN only where it was not."""
-    g = torch.Generator().manual_seed(seed + 1)
-    dy = torch.randn(x.shape, generator=g).to(x.dtype)
-    if dy.numel() >= 16:
-        dy.view(-1)[torch.randperm(dy.numel(), generator=g)[:8]] = float("nan")
-    return dy
 
 
 def run_on(device: str, fn, x: torch.Tensor, others: tuple, layout: str, dy: torch.Tensor):
@@ -180,9 +170,7 @@ def test_ste_grad_cuda_equals_cpu_for_every_tail_length(dtype):
     for n in (1, 7, 8, 9, 31, 33, 255, 257, 1000, 4103):
         g = torch.Generator().manual_seed(n)
         mask = (torch.rand(n, generator=g) < 0.5)
-        from pt2e_fq.reference import pack_mask
-
-        packed = pack_mask(mask)
+        packed = reference.pack_mask(mask)
         dy = gradient_seed(torch.empty(n, dtype=dtype), n)
         expected = torch.ops.pt2e_fq.ste_grad(dy, packed)
         for layout in ("contiguous", "misaligned"):
@@ -285,11 +273,9 @@ def test_opcheck_on_cuda(call, dtype):
 
 
 def test_opcheck_ste_grad_on_cuda(dtype):
-    from pt2e_fq.reference import pack_mask
-
     mask = torch.rand(5, 13) < 0.5
     grad = torch.randn(5, 13).to(dtype)
-    torch.library.opcheck(torch.ops.pt2e_fq.ste_grad.default, (grad.cuda(), pack_mask(mask).cuda()))
+    torch.library.opcheck(torch.ops.pt2e_fq.ste_grad.default, (grad.cuda(), reference.pack_mask(mask).cuda()))
 
 
 class _Surrounded(torch.nn.Module):

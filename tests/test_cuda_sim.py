@@ -27,7 +27,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from kernel_cases import (
-    AFFINE_VARIANTS, BLOCK_SHAPES, ELEM_DTYPES, FLOAT_VARIANTS, block_input, param_grid, with_specials,
+    AFFINE_VARIANTS, BLOCK_SHAPES, ELEM_DTYPES, FLOAT_VARIANTS, block_input, gradient_seed, param_grid,
+    with_specials,
 )
 
 from conftest import FLOAT_DTYPES, affine_cases, assert_bits_equal, make_case
@@ -120,10 +121,7 @@ def simulate(driver: Path, *cases: Case, env: dict | None = None) -> None:
 
 def ste_case(root: Path, mask: torch.Tensor, like: torch.Tensor, placement: str) -> tuple[Case, torch.Tensor]:
     """A case for the STE kernel on the CPU op's mask, and the CPU's dx."""
-    g = torch.Generator().manual_seed(like.numel())
-    dy = torch.randn(like.shape, generator=g).to(like.dtype)
-    if dy.numel() >= 16:
-        dy.view(-1)[torch.randperm(dy.numel(), generator=g)[:8]] = float("nan")
+    dy = gradient_seed(like, like.numel())
     case = Case(root, "ste", "ste", dy, placement)
     case.put("dy.bin", dy)
     case.put("mask.bin", mask)
