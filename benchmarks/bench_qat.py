@@ -39,7 +39,7 @@ from torch._dynamo.utils import counters
 
 import torchao.quantization.pt2e as tao
 from torchao.quantization.pt2e.quantizer import QuantizationSpec
-from pt2e_fq import digits, pipeline
+from pt2e_fq.app import digits, pipeline
 from quantizers import FakeQuantQuantizer, presets
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))

@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_leaves
 
 from .fake_quantize import FakeQuantize
 from .formats import FloatFormat, IntFormat
+from .inputs import as_args
 from .granularity import PerBlock, PerChannel, PerGroup, PerTensor
 from .ops import unpack_mask
 from .qspec import Formulation
@@ -223,8 +224,6 @@ def report(model, example_inputs=None, *, file=sys.stdout) -> Report:
         )
     if example_inputs is None:
         raise TypeError("report: example_inputs are needed to run a GraphModule")
-    from .export.program import as_args
-
     args = as_args(example_inputs)
     model = copy.deepcopy(model)  # the run must not touch the user's model (BN statistics, observers)
     nodes = [n for n in model.graph.nodes if n.op == "call_module" and isinstance(model.get_submodule(n.target), FakeQuantize)]
@@ -274,8 +273,6 @@ def _report_program(program: torch.export.ExportedProgram, example_inputs, file)
         if kwargs:
             raise ValueError("report: the program's example inputs have keyword arguments; pass example_inputs")
     else:
-        from .export.program import as_args
-
         args = as_args(example_inputs)
     gm = program.module()
     run = _ProgramRun(gm)

@@ -16,7 +16,7 @@ import torch
 from quantizer_models import sqnr_db, single_thread  # noqa: F401 (an autouse fixture: one thread)
 
 import pt2e_fq
-from pt2e_fq import cli
+from pt2e_fq.app import cli
 
 TESTS = Path(__file__).parent
 

@@ -369,7 +369,7 @@ def test_qat_step_on_cuda_makes_no_host_sync(preset):
     from quantizer_models import CNN, EncoderBlock
     from torchao.quantization.pt2e.quantize_pt2e import prepare_qat_pt2e
 
-    from pt2e_fq.pipeline import quantizer_for
+    from pt2e_fq.app.pipeline import quantizer_for
 
     torch.manual_seed(0)
     model, x = (EncoderBlock(d=64, hidden=128), torch.randn(4, 8, 64)) if preset != "w8a8" else (CNN(), torch.randn(4, 3, 8, 8))
@@ -392,7 +392,7 @@ def test_qat_step_on_cuda_makes_no_host_sync(preset):
 def test_step_times_on_cuda_count_the_steps_kernels():
     # A step of a large Linear is milliseconds of GPU work and microseconds
     # of Python: a timer that does not wait for the GPU reads the latter.
-    from pt2e_fq.step_time import step_times
+    from pt2e_fq.app.step_time import step_times
 
     model = torch.nn.Linear(4096, 4096).cuda()
     x, target = torch.randn(8192, 4096, device="cuda"), torch.randn(8192, 4096, device="cuda")

@@ -1,4 +1,4 @@
-"""pt2e_fq.pipeline: the PT2E flow in a few calls, against the float model."""
+"""pt2e_fq.app.pipeline: the PT2E flow in a few calls, against the float model."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from quantizer_models import fake_quant_modules, sqnr_db, single_thread  # noqa:
 from torchao.quantization.pt2e import qat_utils
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
-from pt2e_fq import FakeQuantize, pipeline
+from pt2e_fq import FakeQuantize
+from pt2e_fq.app import pipeline
 from quantizers import FakeQuantQuantizer, presets
 
 

@@ -16,7 +16,8 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .program import as_args, exported_program
+from ..inputs import as_args
+from .program import exported_program
 
 # ONNX metadata key: a JSON list, per fake-quant point, of the names of its
 # input ("input": null for a weight stored as integers) and output values.

@@ -26,7 +26,8 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from .onnx import POINTS_METADATA, is_fake_quant, require_onnx
-from .program import as_args, exported_program
+from ..inputs import as_args
+from .program import exported_program
 
 # ONNX Runtime CPU optimizer passes with known bugs on QDQ graphs (1.32):
 # ReluQuantRewrite drops a Relu before an fp8 QuantizeLinear with zero point 0;

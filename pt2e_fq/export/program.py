@@ -13,18 +13,8 @@ from typing import Any, Optional
 import torch
 
 from ..fake_quantize import FakeQuantize
+from ..inputs import as_args
 from .bn_fold import fold_conv_bn
-
-
-def as_args(example_inputs) -> tuple:
-    """example_inputs as the positional-argument tuple torch.export takes."""
-    if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,)
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs)
-    raise TypeError(
-        f"example_inputs must be a tensor or a tuple of positional arguments, got {type(example_inputs).__name__}"
-    )
 
 
 def _check_converted(model: torch.nn.Module) -> None:

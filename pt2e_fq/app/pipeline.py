@@ -1,6 +1,6 @@
 """The PT2E quantization flow in a few calls.
 
-    from pt2e_fq import pipeline
+    from pt2e_fq.app import pipeline
     prepared = pipeline.prepare(model, (x,), "w8a8")              # export -> annotate -> prepare_pt2e
     pipeline.calibrate(prepared, calibration_batches)             # observers see data (tqdm bar)
     converted = pipeline.convert(prepared)                        # convert_pt2e
@@ -30,8 +30,8 @@ from tqdm import tqdm
 
 from quantizers import FakeQuantQuantizer, QuantizerConfig, presets
 
-from .export.program import as_args
-from .fake_quantize import FakeQuantize
+from ..inputs import as_args
+from ..fake_quantize import FakeQuantize
 
 ConfigLike = Union[str, QuantizerConfig, FakeQuantQuantizer]
 

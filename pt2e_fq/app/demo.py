@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from tabulate import tabulate
 
 from . import digits, pipeline
-from .export import check_onnx, ort_session, save, to_onnx
-from .report import report
+from ..export import check_onnx, ort_session, save, to_onnx
+from ..report import report
 from .step_time import step_times
 
 BATCH = 64

@@ -291,8 +291,8 @@ def cmd_quantize(args) -> int:
             raise UsageError(f"--example-input: the model fails on inputs of shapes "
                              f"{[tuple(t.shape) for t in example]}: {type(e).__name__}: {e}") from None
     from . import pipeline
-    from .export import check_onnx, save, to_onnx
-    from .report import report
+    from ..export import check_onnx, save, to_onnx
+    from ..report import report
 
     converted = pipeline.quantize(model, example, config, calibration=calibration, qat_steps=args.qat_steps,
                                   lr=args.lr, progress=not args.no_progress)
@@ -314,8 +314,8 @@ def cmd_report(args) -> int:
     if not Path(args.path).is_file():
         raise UsageError(f"no such file {args.path!r}")
     example = example_inputs(args.example_input) if args.example_input else None
-    from .export import load
-    from .report import report
+    from ..export import load
+    from ..report import report
 
     if not zipfile.is_zipfile(args.path):
         raise UsageError(f"{args.path!r} is not a .pt2 archive (torch.export.save writes a zip file)")
