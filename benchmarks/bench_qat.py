@@ -24,26 +24,21 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import sys
 import warnings
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 # bench_ops first: it imports pt2e_fq before torchao (quieter torchao import);
 # benchmarks/ is on sys.path when this file runs.
 from bench_ops import median_ms, reason, saved_bytes_by_dtype
-from models import LlamaDecoder
 from tabulate import tabulate
 from torch._dynamo.utils import counters
 
 import torchao.quantization.pt2e as tao
 from torchao.quantization.pt2e.quantizer import QuantizationSpec
 from pt2e_fq.app import digits, pipeline
+from pt2e_fq.app.models import EncoderBlock, LlamaDecoder
 from quantizers import FakeQuantQuantizer, presets
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from quantizer_models import EncoderBlock  # noqa: E402  (the quantizer tests' transformer block)
 
 PRESET = "w8a8"  # what torchao's stock FakeQuantize can express (no int4, no groups)
 WARMUP = 3  # steps per run before timing, after the first (which compiles)

@@ -1,4 +1,4 @@
-"""Models for the quantizer tests, built from torch.nn parts, and helpers
+"""The quantizer tests' models (from pt2e_fq.app.models) by name, and helpers
 shared by the test_quantizer_* files."""
 
 from __future__ import annotations
@@ -9,77 +9,7 @@ import torch.nn as nn
 from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e, prepare_qat_pt2e
 
 import pt2e_fq as q
-
-
-class MLP(nn.Module):
-    def __init__(self, d_in=16, hidden=32, d_out=4):
-        super().__init__()
-        self.fc1 = nn.Linear(d_in, hidden)
-        self.act1 = nn.ReLU()
-        self.fc2 = nn.Linear(hidden, hidden)
-        self.act2 = nn.GELU()
-        self.head = nn.Linear(hidden, d_out)
-
-    def forward(self, x):
-        return self.head(self.act2(self.fc2(self.act1(self.fc1(x)))))
-
-
-class CNN(nn.Module):
-    """conv-bn-relu, conv-bn, a residual add and relu, global average pool, linear."""
-
-    def __init__(self, channels=8, classes=4):
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, channels, 3, padding=1)
-        self.bn1 = nn.BatchNorm2d(channels)
-        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1)
-        self.bn2 = nn.BatchNorm2d(channels)
-        self.pool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(channels, classes)
-
-    def forward(self, x):
-        y = torch.relu(self.bn1(self.conv1(x)))
-        y = torch.relu(self.bn2(self.conv2(y)) + y)
-        return self.fc(self.pool(y).flatten(1))
-
-
-class Attention(nn.Module):
-    def __init__(self, d=32, heads=2):
-        super().__init__()
-        self.heads = heads
-        self.q, self.k, self.v, self.out = (nn.Linear(d, d) for _ in range(4))
-
-    def forward(self, x):
-        b, t, d = x.shape
-        split = lambda y: y.view(b, t, self.heads, d // self.heads).transpose(1, 2)  # noqa: E731
-        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
-        scores = torch.softmax(torch.matmul(q, k.transpose(-2, -1)) * (d // self.heads) ** -0.5, dim=-1)
-        return self.out(torch.matmul(scores, v).transpose(1, 2).reshape(b, t, d))
-
-
-class EncoderBlock(nn.Module):
-    """Pre-norm transformer encoder block: attention (matmul, softmax), layer
-    norm, GELU MLP, two residual adds."""
-
-    def __init__(self, d=32, heads=2, hidden=64):
-        super().__init__()
-        self.ln1 = nn.LayerNorm(d)
-        self.attn = Attention(d, heads)
-        self.ln2 = nn.LayerNorm(d)
-        self.mlp = nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, d))
-
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class EmbeddingHead(nn.Module):
-    def __init__(self, vocab=64, d=32, classes=8):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.head = nn.Linear(d, classes)
-
-    def forward(self, tokens):
-        return self.head(self.emb(tokens))
+from pt2e_fq.app.models import CNN, MLP, EmbeddingHead, EncoderBlock
 
 
 def example_batch(model_name: str, seed: int, n: int = 16):

@@ -366,9 +366,9 @@ def test_op_forward_and_backward_make_no_host_sync(name, dtype):
 
 @pytest.mark.parametrize("preset", ["w8a8", "w4a8", "w4a16", "fp8", "mxfp8", "mxfp4", "nvfp4"])
 def test_qat_step_on_cuda_makes_no_host_sync(preset):
-    from quantizer_models import CNN, EncoderBlock
     from torchao.quantization.pt2e.quantize_pt2e import prepare_qat_pt2e
 
+    from pt2e_fq.app.models import CNN, EncoderBlock
     from pt2e_fq.app.pipeline import quantizer_for
 
     torch.manual_seed(0)
