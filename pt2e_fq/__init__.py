@@ -4,6 +4,8 @@ Importing the package registers the `torch.ops.pt2e_fq` operators, which a
 saved `.pt2` file needs before `torch.export.load`.
 """
 
+from importlib.metadata import version as _metadata_version
+
 import torch  # noqa: F401  (loads the libraries _C links against)
 
 from . import _C  # noqa: F401  (registers the C++/CUDA operators)
@@ -32,7 +34,8 @@ from .formats import (
 from .granularity import PerBlock, PerChannel, PerGroup, PerTensor, PerToken
 from .observers import CurrentMinMaxObserver, MinMaxObserver, MovingAverageMinMaxObserver, MSEObserver
 from .ops import fake_quantize_affine, fake_quantize_float, fake_quantize_mx, fake_quantize_nvfp4
-from .qspec import Formulation, QSpec, Scheme
+from .qspec import QSpec
+from .schemes import Formulation, Scheme
 from . import export  # pt2e_fq.export: .pt2 and ONNX export, conv-bn folding
 from .export import load, save
 from .report import report
@@ -76,4 +79,4 @@ __all__ = [
     "MSEObserver",
     "CurrentMinMaxObserver",
 ]
-__version__ = "0.1.0"
+__version__ = _metadata_version("pt2e_fq")  # one place: pyproject.toml

@@ -65,3 +65,11 @@ def reduce_blocks(x: torch.Tensor, block_size: Sequence[int], reduce, pad_value:
         x = torch.nn.functional.pad(x, pad, value=pad_value)
     blocked = x.reshape([v for r, b in zip(red, block) for v in (r, b)])
     return reduce(blocked, dim=tuple(range(1, 2 * len(shape), 2)))
+
+
+def expand_blocks(t: torch.Tensor, shape: Sequence[int], block_size: Sequence[int]) -> torch.Tensor:
+    """Repeats each per-block value over its block: reduced shape -> shape."""
+    t = t.reshape(reduced_shape(shape, block_size))
+    for d, (s, b) in enumerate(zip(shape, block_size)):
+        t = t.repeat_interleave(b, dim=d).narrow(d, 0, s)
+    return t

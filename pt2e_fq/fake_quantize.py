@@ -16,12 +16,13 @@ from typing import Optional
 
 import torch
 from torchao.quantization.pt2e import FakeQuantizeBase
+from torchao.quantization.pt2e.quantizer import QuantizationSpec
 
-from . import ops
 from .blocks import reduced_shape
-from .formats import FloatFormat, IntFormat
-from .qparams import qparam_names, qparams_from_range
+from .formats import IntFormat
+from .granularity import PerChannel, PerTensor
 from .qspec import QSpec
+from .schemes import Formulation, Scheme
 
 # Buffers that only matter before convert: the observers' running range and
 # torchao's on/off switches (every buffer becomes an exported program input).
@@ -32,38 +33,48 @@ class UncalibratedError(RuntimeError):
     """convert_pt2e met fake-quant points that never computed qparams."""
 
 
-def _fake_quantize_int(spec: QSpec, x: torch.Tensor, block_size, qparams: dict) -> torch.Tensor:
+def _torch_qscheme(spec: QSpec) -> Optional[torch.qscheme]:
+    """torch's name for a per-tensor / per-channel integer scheme (None
+    otherwise); torchao compares it when deciding to share observers."""
+    if not isinstance(spec.format, IntFormat) or spec.formulation is Formulation.MINVAL:
+        return None
+    sym = spec.scheme is not Scheme.ASYMMETRIC
+    if isinstance(spec.granularity, PerTensor):
+        return torch.per_tensor_symmetric if sym else torch.per_tensor_affine
+    if isinstance(spec.granularity, PerChannel):
+        return torch.per_channel_symmetric if sym else torch.per_channel_affine
+    return None
+
+
+def _ch_axis(spec: QSpec) -> Optional[int]:
+    # torchao's QuantizationSpec rejects a negative ch_axis.
+    g = spec.granularity
+    return g.axis if isinstance(g, PerChannel) and g.axis >= 0 else None
+
+
+def to_quantization_spec(spec: QSpec) -> QuantizationSpec:
+    """The torchao QuantizationSpec for a Quantizer's annotations. Its
+    standard fields describe the QSpec as far as torchao can; the
+    constructor carries the QSpec itself."""
     qmin, qmax = spec.quant_range
-    return ops.fake_quantize_affine(
-        x, block_size, qparams["scale"], qparams.get("zero_point"), qmin, qmax, minval=qparams.get("minval")
+    return QuantizationSpec(
+        dtype=spec.format.torch_dtype,
+        observer_or_fake_quant_ctr=FakeQuantize.with_args(qspec=spec),
+        quant_min=qmin,
+        quant_max=qmax,
+        qscheme=_torch_qscheme(spec),
+        ch_axis=_ch_axis(spec),
+        # Always False: with is_dynamic=True convert_pt2e looks for the
+        # choose_qparams node of its own rewrite and fails on ours. The
+        # module reads QSpec.dynamic.
+        is_dynamic=False,
     )
 
 
-def _fake_quantize_float(spec: QSpec, x: torch.Tensor, block_size, qparams: dict) -> torch.Tensor:
-    """FP8 / FP4 with an observed (static) or live (dynamic) scale per block."""
-    return ops.fake_quantize_float(x, block_size, qparams["scale"], spec.format.elem_dtype)
-
-
-def _fake_quantize_mx(spec: QSpec, x: torch.Tensor, block_size, qparams: dict) -> torch.Tensor:
-    """MX: the kernel computes every block's E8M0 scale; no qparams."""
-    g = spec.granularity  # PerGroup(32, axis), checked by the QSpec
-    return ops.fake_quantize_mx(x, spec.format.elem_dtype, g.group_size, g.axis)
-
-
-def _fake_quantize_nvfp4(spec: QSpec, x: torch.Tensor, block_size, qparams: dict) -> torch.Tensor:
-    """NVFP4: the block scales come from the kernel under the observed global
-    scale (a one-element tensor), or under one the kernel computes (dynamic)."""
-    return ops.fake_quantize_nvfp4(x, qparams.get("global_scale"), spec.granularity.axis)
-
-
-def fake_quantizer(fmt):
-    """The one place a format is mapped to its fused op: returns
-    fn(spec, x, block_size, qparams) -> y."""
-    if isinstance(fmt, IntFormat):
-        return _fake_quantize_int
-    if fmt is FloatFormat.NVFP4:
-        return _fake_quantize_nvfp4
-    return _fake_quantize_mx if fmt.block_scaled else _fake_quantize_float
+# The public call stays `qspec.to_quantization_spec()`. It is bound here, not
+# written in qspec.py, so that QSpec, a value type, imports neither torchao
+# nor this module (the package imports this module, so the method is always there).
+QSpec.to_quantization_spec = to_quantization_spec
 
 
 class FakeQuantize(FakeQuantizeBase):
@@ -99,8 +110,8 @@ class FakeQuantize(FakeQuantizeBase):
         # What torchao knows about this point: its QuantizationSpec's fields.
         self.dtype = qspec.format.torch_dtype
         self.quant_min, self.quant_max = qmin, qmax
-        self.qscheme = qspec.torch_qscheme
-        self.ch_axis = qspec.ch_axis
+        self.qscheme = _torch_qscheme(qspec)
+        self.ch_axis = _ch_axis(qspec)
         self.is_dynamic = qspec.dynamic
         if is_dynamic:
             raise ValueError(
@@ -115,8 +126,8 @@ class FakeQuantize(FakeQuantizeBase):
                     f"{getattr(self, name)!r}; change the QSpec and use QSpec.to_quantization_spec()"
                 )
         self.qspec = qspec
-        self._fake_quantize_fn = fake_quantizer(qspec.format)  # fails early for a format without an op
-        self._qparam_names = qparam_names(qspec)  # what the op takes besides x
+        self._kind = qspec.kind
+        self._qparam_names = self._kind.qparam_names(qspec)  # what the op takes besides x
         self._observer = qspec.observer_or_default
         self._observer_on = True
         self._fake_quant_on = True
@@ -173,7 +184,7 @@ class FakeQuantize(FakeQuantizeBase):
 
     def _fake_quantize(self, x: torch.Tensor, qparams: dict) -> torch.Tensor:
         block_size = self.qspec.granularity.block_size(x.shape)
-        return self._fake_quantize_fn(self.qspec, x, block_size, qparams)
+        return self._kind.fake_quantize(self.qspec, x, block_size, qparams)
 
     def _range_and_qparams(self, x: torch.Tensor, running):
         """Observes x (detached: observers need no graph) and returns the new
@@ -182,10 +193,10 @@ class FakeQuantize(FakeQuantizeBase):
         block_size = self.qspec.range_granularity.block_size(x.shape)
 
         def fake_quantize_range(lo, hi):  # for observers that search the range
-            return self._fake_quantize(x, qparams_from_range(self.qspec, lo, hi))
+            return self._fake_quantize(x, self._kind.qparams_from_range(self.qspec, lo, hi))
 
         lo, hi = self._observer.observe(x, block_size, running, fake_quantize_range)
-        return (lo, hi), qparams_from_range(self.qspec, lo, hi)
+        return (lo, hi), self._kind.qparams_from_range(self.qspec, lo, hi)
 
     def _observe(self, x: torch.Tensor) -> None:
         self._check_stored_shape(x.shape)

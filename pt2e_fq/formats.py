@@ -2,8 +2,10 @@
 
 Integer formats are affine (`IntFormat`: bits and signedness; the integer
 range follows from the scheme). Float formats (`FloatFormat`) have a fixed
-element grid: FP8 and FP4 with a scale from an observer, MX and NVFP4 with
-block scales the kernel computes from the live tensor.
+element grid (`ELEMENTS`, the one table of element facts): FP8 and FP4 with
+a scale from an observer, MX and NVFP4 with block scales the kernel computes
+from the live tensor. How each kind of format is observed and applied:
+format_kinds.py.
 """
 
 from __future__ import annotations
@@ -59,35 +61,113 @@ class IntFormat:
         bits = self.bits if self.bits <= 8 else 16
         return getattr(torch, f"{prefix}{bits}")
 
+    @classmethod
+    def holding(cls, quant_min: int, quant_max: int) -> "IntFormat":
+        """The narrowest integer format whose range holds [quant_min, quant_max]."""
+        signed = quant_min < 0
+        for bits in range(2, 17):
+            lo, hi = cls(bits, signed).quant_range(narrow=False)
+            if lo <= quant_min and quant_max <= hi:
+                return cls(bits, signed)
+        raise ValueError(f"no integer format holds [{quant_min}, {quant_max}]")
+
     def __repr__(self) -> str:
         return self.name.upper()
 
 
+@dataclass(frozen=True)
+class Element:
+    """A float element format: the name the fused ops take ("e4m3"), its torch
+    dtype (None where torch has none), its largest finite value, the exponent
+    of the largest power of two not above it, and its width in bits."""
+
+    name: str
+    torch_dtype: Optional[torch.dtype]
+    fmax: float
+    emax: int
+    bits: int
+
+
+# The one table of float elements: everything else derives from it (the C++
+# kernels have their own, in csrc/include/pt2e_fq/float_formats.h). The ops
+# take the name: a ScalarType argument of torch.float4_e2m1fn_x2 breaks
+# torch.export.save, and a future element (FP6) may have no torch dtype.
+ELEMENTS = {
+    e.name: e
+    for e in (
+        Element("e4m3", torch.float8_e4m3fn, 448.0, 8, 8),
+        Element("e5m2", torch.float8_e5m2, 57344.0, 15, 8),
+        Element("e2m1", torch.float4_e2m1fn_x2, 6.0, 2, 4),
+    )
+}
+_BY_DTYPE = {e.torch_dtype: e for e in ELEMENTS.values() if e.torch_dtype is not None}
+
+
+def element(op: str, what: str, value) -> Element:
+    """The element a public op argument names: its name ("e4m3") or its torch
+    dtype (torch.float8_e4m3fn)."""
+    allowed = ", ".join(f"{e.name!r} / {e.torch_dtype}" if e.torch_dtype else repr(e.name) for e in ELEMENTS.values())
+    if isinstance(value, str) and value in ELEMENTS:
+        return ELEMENTS[value]
+    if isinstance(value, torch.dtype) and value in _BY_DTYPE:
+        return _BY_DTYPE[value]
+    if not isinstance(value, (str, torch.dtype)):
+        raise TypeError(f"{op}: {what} must be an element name or a torch.dtype, one of {allowed}; got {value!r}")
+    raise ValueError(f"{op}: {what} must be one of {allowed}; got {value!r}")
+
+
+# Block sizes of the block-scaled formats (OCP MX v1.0; NVIDIA NVFP4).
+MX_BLOCK = 32
+NVFP4_BLOCK = 16
+
+
 class FloatFormat(enum.Enum):
-    """Float element formats: (element dtype, largest finite value, block size
-    of in-kernel scales or None when the scale comes from an observer)."""
+    """Float formats: (element, block size of in-kernel scales or None when
+    the scale comes from an observer, element of those block scales: E8M0
+    for MX, E4M3 under an fp32 global scale for NVFP4)."""
 
-    FP8_E4M3 = (torch.float8_e4m3fn, 448.0, None)
-    FP8_E5M2 = (torch.float8_e5m2, 57344.0, None)
-    FP4_E2M1 = (torch.float4_e2m1fn_x2, 6.0, None)
-    MXFP8_E4M3 = (torch.float8_e4m3fn, 448.0, 32)
-    MXFP8_E5M2 = (torch.float8_e5m2, 57344.0, 32)
-    MXFP4 = (torch.float4_e2m1fn_x2, 6.0, 32)
-    NVFP4 = (torch.float4_e2m1fn_x2, 6.0, 16)
+    FP8_E4M3 = ("e4m3", None, None)
+    FP8_E5M2 = ("e5m2", None, None)
+    FP4_E2M1 = ("e2m1", None, None)
+    MXFP8_E4M3 = ("e4m3", MX_BLOCK, "e8m0")
+    MXFP8_E5M2 = ("e5m2", MX_BLOCK, "e8m0")
+    MXFP4 = ("e2m1", MX_BLOCK, "e8m0")
+    NVFP4 = ("e2m1", NVFP4_BLOCK, "e4m3")
 
-    def __init__(self, elem_dtype: torch.dtype, fmax: float, scale_block: Optional[int]):
-        self.elem_dtype = elem_dtype
-        self.fmax = fmax
+    def __init__(self, element_name: str, scale_block: Optional[int], block_scale: Optional[str]):
+        self.element = ELEMENTS[element_name]
         self.scale_block = scale_block
+        self.block_scale = block_scale
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return self.elem_dtype
+    def elem_dtype(self) -> Optional[torch.dtype]:
+        return self.element.torch_dtype
+
+    @property
+    def torch_dtype(self) -> Optional[torch.dtype]:
+        return self.element.torch_dtype
+
+    @property
+    def fmax(self) -> float:
+        return self.element.fmax
+
+    @property
+    def bits(self) -> int:
+        return self.element.bits
 
     @property
     def block_scaled(self) -> bool:
         """True for MX and NVFP4: the kernel computes one scale per block."""
         return self.scale_block is not None
+
+    @classmethod
+    def of(cls, element_name: str, block_scale: Optional[str] = None) -> "FloatFormat":
+        """The format of an element with no block scales (block_scale None),
+        E8M0 block scales (MX) or E4M3 ones (NVFP4)."""
+        for fmt in cls:
+            if fmt.element.name == element_name and fmt.block_scale == block_scale:
+                return fmt
+        raise ValueError(f"no float format has element {element_name!r} with block scales {block_scale!r}")
 
     def __repr__(self) -> str:
         return self.name

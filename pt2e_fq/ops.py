@@ -10,11 +10,12 @@ only tensor the autograd node saves.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 
 from .blocks import check_block_size, check_qparam, reduced_shape
+from .formats import ELEMENTS, MX_BLOCK, NVFP4_BLOCK, element
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT16_MIN, _INT16_MAX = -(2**15), 2**15 - 1
@@ -190,29 +191,14 @@ torch.library.register_autograd("pt2e_fq::ste_grad", _ste_grad_backward, setup_c
 # Float formats: FP8 E4M3 / E5M2 and FP4 E2M1 with static scales, and the
 # block-scaled MX and NVFP4 formats whose scales the kernel computes.
 
-# torch dtype -> the element-format name the operators take (a string: a
-# ScalarType argument of torch.float4_e2m1fn_x2 breaks torch.export.save).
-_ELEM_FORMATS = {
-    torch.float8_e4m3fn: "e4m3",
-    torch.float8_e5m2: "e5m2",
-    torch.float4_e2m1fn_x2: "e2m1",
-}
-_FORMAT_NAMES = tuple(_ELEM_FORMATS.values())
-_NVFP4_BLOCK = 16
-
-
-def _elem_format(op: str, what: str, dtype) -> str:
-    allowed = ", ".join(str(d) for d in _ELEM_FORMATS)
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"{op}: {what} must be a torch.dtype, one of {allowed}; got {dtype!r}")
-    if dtype not in _ELEM_FORMATS:
-        raise ValueError(f"{op}: {what} must be one of {allowed}; got {dtype}")
-    return _ELEM_FORMATS[dtype]
+def _elem_format(op: str, what: str, value) -> str:
+    """The element name the operators take, from a name or a torch dtype."""
+    return element(op, what, value).name
 
 
 def _check_format_name(op: str, what: str, name: str) -> None:
-    if name not in _FORMAT_NAMES:
-        raise ValueError(f"{op}: {what} must be one of {_FORMAT_NAMES}, got {name!r}")
+    if name not in ELEMENTS:
+        raise ValueError(f"{op}: {what} must be one of {tuple(ELEMENTS)}, got {name!r}")
 
 
 def _check_int(op: str, what: str, v) -> None:
@@ -252,7 +238,7 @@ def _check_float_args(x, block_size, scale, fmt) -> None:
 
 def _check_nvfp4_args(x, global_scale, axis) -> None:
     op = "pt2e_fq.fake_quantize_nvfp4"
-    _check_axis_blocks(op, x, _NVFP4_BLOCK, axis)
+    _check_axis_blocks(op, x, NVFP4_BLOCK, axis)
     if global_scale is not None:
         check_qparam(op, "global_scale", global_scale, x, ())
         if not global_scale.dtype.is_floating_point:
@@ -260,7 +246,7 @@ def _check_nvfp4_args(x, global_scale, axis) -> None:
 
 
 def fake_quantize_float_with_mask(
-    x: torch.Tensor, block_size: Sequence[int], scale: torch.Tensor, dtype: torch.dtype
+    x: torch.Tensor, block_size: Sequence[int], scale: torch.Tensor, dtype: Union[torch.dtype, str]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Like `fake_quantize_float`, and also returns the bit-packed clamp mask."""
     block_size = list(block_size)
@@ -270,15 +256,16 @@ def fake_quantize_float_with_mask(
 
 
 def fake_quantize_float(
-    x: torch.Tensor, block_size: Sequence[int], scale: torch.Tensor, dtype: torch.dtype
+    x: torch.Tensor, block_size: Sequence[int], scale: torch.Tensor, dtype: Union[torch.dtype, str]
 ) -> torch.Tensor:
     """FP8 / FP4 fake quantization with static scales in one fused op
     (differentiable).
 
         y = cast_rne(clamp(x / scale, -fmax, fmax)) * scale
 
-    dtype is torch.float8_e4m3fn (fmax 448), torch.float8_e5m2 (57344) or
-    torch.float4_e2m1fn_x2 (E2M1 elements: 0, 0.5, 1, 1.5, 2, 3, 4, 6). The
+    dtype is an element of `pt2e_fq.formats.ELEMENTS`, by name or torch
+    dtype: "e4m3" (torch.float8_e4m3fn), "e5m2" (torch.float8_e5m2) or
+    "e2m1" (torch.float4_e2m1fn_x2: 0, 0.5, 1, 1.5, 2, 3, 4, 6). The
     cast rounds to nearest, ties to even, with the format's subnormals.
     `block_size` and scale are as in `fake_quantize_affine` (per-tensor,
     per-channel, per-block; ragged last block). The gradient is dy where
@@ -289,7 +276,7 @@ def fake_quantize_float(
 
 
 def fake_quantize_mx_with_scales(
-    x: torch.Tensor, elem_dtype: torch.dtype, block_size: int = 32, axis: int = -1
+    x: torch.Tensor, elem_dtype: Union[torch.dtype, str], block_size: int = MX_BLOCK, axis: int = -1
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Like `fake_quantize_mx`, and also returns the block scales: fp32
     powers of two (exact E8M0 values, NaN for a block with a NaN) of x's
@@ -302,16 +289,16 @@ def fake_quantize_mx_with_scales(
 
 
 def fake_quantize_mx(
-    x: torch.Tensor, elem_dtype: torch.dtype, block_size: int = 32, axis: int = -1
+    x: torch.Tensor, elem_dtype: Union[torch.dtype, str], block_size: int = MX_BLOCK, axis: int = -1
 ) -> torch.Tensor:
     """MX fake quantization (OCP Microscaling v1.0) in one fused op
-    (differentiable): MXFP8 with elem_dtype torch.float8_e4m3fn or
-    torch.float8_e5m2, MXFP4 with torch.float4_e2m1fn_x2.
+    (differentiable): MXFP8 with elem_dtype "e4m3" or "e5m2" (or their
+    torch dtypes), MXFP4 with "e2m1" (torch.float4_e2m1fn_x2).
 
     Per block of `block_size` consecutive elements along `axis` (the last
     block may be shorter), the kernel computes the E8M0 scale
         X = 2^clamp(floor(log2(max |x|)) - emax_elem, -127, 127)
-    (emax_elem 8, 15, 2) and returns cast_rne(clamp(x / X, -fmax, fmax)) * X.
+    (emax_elem: the element's `emax`) and returns cast_rne(clamp(x / X, -fmax, fmax)) * X.
     A block with a NaN is all NaN. The gradient is dy where |x / X| <= fmax.
     """
     return fake_quantize_mx_with_scales(x, elem_dtype, block_size, axis)[0]
@@ -364,7 +351,7 @@ def _fake_quantize_mx_fake(x, elem_fmt, block_size, axis):
 @torch.library.register_fake("pt2e_fq::fake_quantize_nvfp4")
 def _fake_quantize_nvfp4_fake(x, global_scale, axis):
     _check_nvfp4_args(x, global_scale, axis)
-    scales = x.new_empty(_block_scale_shape(x, _NVFP4_BLOCK, axis), dtype=torch.float32)
+    scales = x.new_empty(_block_scale_shape(x, NVFP4_BLOCK, axis), dtype=torch.float32)
     return _empty_outputs(x) + (scales, x.new_empty((), dtype=torch.float32))
 
 

@@ -1,5 +1,5 @@
-"""Quantization parameters from an observed range, per format, scheme and
-formulation.
+"""Quantization parameters from an observed range: the formulas, per scheme
+and formulation (which one a point uses: format_kinds.py).
 
 Inputs are the per-block range (lo, hi) as fp32 tensors of the reduced shape;
 outputs are tensors of the same shape, computed with tensor ops only (no host
@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from .formats import FloatFormat, IntFormat
-from .qspec import Formulation, QSpec, Scheme
+from .formats import ELEMENTS
 
 # torch's observers floor integer scales at fp32 eps; a constant tensor then
 # gets a tiny but valid scale instead of 0.
 INT_SCALE_EPS = torch.finfo(torch.float32).eps
 # Float formats have range to spare: floor only at the smallest normal fp32.
 FLOAT_SCALE_TINY = torch.finfo(torch.float32).tiny
-# NVFP4's per-block scales are E4M3 (largest 448) under the global scale.
-NVFP4_BLOCK_SCALE_MAX = 448.0
 
 
 def symmetric_qparams(lo, hi, quant_min: int, quant_max: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,33 +51,8 @@ def float_scale(lo, hi, fmax: float) -> torch.Tensor:
     return (amax / fmax).clamp(min=FLOAT_SCALE_TINY)
 
 
-def qparam_names(spec: QSpec) -> tuple[str, ...]:
-    """The tensors a fake-quant point of this spec stores (static) or computes
-    (dynamic), in the order the op takes them."""
-    fmt = spec.format
-    if isinstance(fmt, IntFormat):
-        return ("scale", "minval") if spec.formulation is Formulation.MINVAL else ("scale", "zero_point")
-    if fmt is FloatFormat.NVFP4 and not spec.dynamic:
-        return ("global_scale",)  # calibrated; the block scales come from the kernel
-    if fmt.block_scaled:
-        return ()  # MX, dynamic NVFP4: the kernel computes every scale from the live tensor
-    return ("scale",)
-
-
-def qparams_from_range(spec: QSpec, lo: torch.Tensor, hi: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The qparams of `spec` for the per-block range [lo, hi]."""
-    if not qparam_names(spec):
-        return {}
-    lo, hi = lo.float(), hi.float()
-    fmt = spec.format
-    if isinstance(fmt, IntFormat):
-        qmin, qmax = spec.quant_range
-        if spec.formulation is Formulation.MINVAL:
-            scale, minval = minval_qparams(lo, hi, qmin, qmax)
-            return {"scale": scale, "minval": minval}
-        calc = asymmetric_qparams if spec.scheme is Scheme.ASYMMETRIC else symmetric_qparams
-        scale, zero_point = calc(lo, hi, qmin, qmax)
-        return {"scale": scale, "zero_point": zero_point}
-    if fmt is FloatFormat.NVFP4:
-        return {"global_scale": float_scale(lo, hi, fmt.fmax * NVFP4_BLOCK_SCALE_MAX)}
-    return {"scale": float_scale(lo, hi, fmt.fmax)}
+def two_level_global_scale(lo, hi, block_scale_element: str, element: str) -> torch.Tensor:
+    """NVFP4's global scale: its per-block scales are `block_scale_element`
+    values under it, so the range's amax maps to the product of the two
+    largest values (block scale x element)."""
+    return float_scale(lo, hi, ELEMENTS[block_scale_element].fmax * ELEMENTS[element].fmax)

@@ -1,36 +1,22 @@
 """QSpec: everything that describes one fake-quant point.
 
-A small frozen (hashable, comparable) dataclass: format, granularity, scheme,
-formulation, observer, static or dynamic. `to_quantization_spec()` gives the
-torchao QuantizationSpec a Quantizer annotates nodes with; its constructor
-builds our FakeQuantize with this QSpec baked in.
+A small frozen (hashable, comparable) value: format, granularity, scheme,
+formulation, observer, static or dynamic. What a format's kind allows and
+implies is the kind's (format_kinds.py). The bridge to torchao
+(`QSpec.to_quantization_spec()`, the QuantizationSpec a Quantizer annotates
+nodes with) lives next to FakeQuantize, which it constructs.
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Optional, Union
 
-import torch
-
+from .format_kinds import FormatKind, kind_of
 from .formats import INT8, FloatFormat, Format, IntFormat
-from .granularity import GRANULARITIES, Granularity, PerChannel, PerGroup, PerTensor, PerToken
+from .granularity import GRANULARITIES, Granularity, PerTensor, PerToken
 from .observers import OBSERVERS, CurrentMinMaxObserver, MinMaxObserver, Observer
-
-
-class Scheme(enum.Enum):
-    SYMMETRIC = "symmetric"
-    # The lowest integer code is unused, so the range is +-(2**(bits-1) - 1).
-    SYMMETRIC_NARROW = "symmetric_narrow"
-    ASYMMETRIC = "asymmetric"
-
-
-class Formulation(enum.Enum):
-    # q = round(x / scale) + zero_point (integer zero point; 0 exact).
-    ZP = "zp"
-    # q = round((x - minval) / scale) + quant_min (float offset; the range exact).
-    MINVAL = "minval"
+from .schemes import Formulation, Scheme
 
 
 def _as_enum(enum_cls, name: str, value):
@@ -83,35 +69,11 @@ class QSpec:
         if self.observer is not None and not isinstance(self.observer, OBSERVERS):
             names = ", ".join(o.__name__ for o in OBSERVERS)
             raise TypeError(f"QSpec: observer must be None or an instance of {names}, got {self.observer!r}")
-        self._check_format_rules()
+        self.kind.check(self)
         self._check_observer_rules()
 
-    def _check_format_rules(self) -> None:
-        fmt = self.format
-        if self.formulation is Formulation.MINVAL and not (
-            isinstance(fmt, IntFormat) and self.scheme is Scheme.ASYMMETRIC
-        ):
-            raise ValueError(
-                "QSpec: formulation MINVAL needs an integer format and scheme ASYMMETRIC, "
-                f"got format {fmt!r} and scheme {self.scheme.name}"
-            )
-        if isinstance(fmt, IntFormat):
-            return
-        if self.scheme is not Scheme.SYMMETRIC:
-            raise ValueError(
-                f"QSpec: float format {fmt.name} has no zero point; scheme must be SYMMETRIC, "
-                f"got {self.scheme.name}"
-            )
-        if fmt.block_scaled:
-            g = self.granularity
-            if not (isinstance(g, PerGroup) and g.group_size == fmt.scale_block):
-                raise ValueError(
-                    f"QSpec: {fmt.name} scales blocks of {fmt.scale_block} along one axis; granularity "
-                    f"must be PerGroup({fmt.scale_block}, axis), got {g!r}"
-                )
-
     def _check_observer_rules(self) -> None:
-        fmt, obs = self.format, self.observer
+        obs = self.observer
         if isinstance(self.granularity, PerToken) and not self.dynamic:
             raise ValueError(
                 "QSpec: PerToken qparams exist only for the live tensor, so it needs dynamic=True "
@@ -122,14 +84,13 @@ class QSpec:
                 f"QSpec: a dynamic point computes qparams from the live tensor; observer must be "
                 f"None or CurrentMinMaxObserver(), got {obs!r}"
             )
-        if isinstance(fmt, FloatFormat) and fmt.block_scaled and fmt is not FloatFormat.NVFP4:
-            if not self.dynamic or obs is not None:
-                raise ValueError(
-                    f"QSpec: {fmt.name} computes its block scales from the live tensor in the kernel; "
-                    f"set dynamic=True and leave observer None, got dynamic={self.dynamic}, observer={obs!r}"
-                )
 
     # -- derived values ----------------------------------------------------
+
+    @property
+    def kind(self) -> FormatKind:
+        """The format's kind: what the point stores and which op applies it."""
+        return kind_of(self.format)
 
     @property
     def observer_or_default(self) -> Observer:
@@ -142,55 +103,12 @@ class QSpec:
         """The blocks the observer reduces over: the point's granularity,
         except NVFP4, whose only observed qparam is a per-tensor global scale
         (its block scales come from the kernel)."""
-        return PerTensor() if self.format is FloatFormat.NVFP4 else self.granularity
+        return self.kind.range_granularity(self)
 
     @property
     def quant_range(self) -> tuple[Optional[int], Optional[int]]:
         """(quant_min, quant_max) of an integer format; (None, None) for floats."""
-        if isinstance(self.format, FloatFormat):
-            return None, None
-        return self.format.quant_range(narrow=self.scheme is Scheme.SYMMETRIC_NARROW)
-
-    @property
-    def torch_qscheme(self) -> Optional[torch.qscheme]:
-        """torch's name for per-tensor / per-channel integer schemes (None
-        otherwise); torchao compares it when deciding to share observers."""
-        if isinstance(self.format, FloatFormat) or self.formulation is Formulation.MINVAL:
-            return None
-        sym = self.scheme is not Scheme.ASYMMETRIC
-        if isinstance(self.granularity, PerTensor):
-            return torch.per_tensor_symmetric if sym else torch.per_tensor_affine
-        if isinstance(self.granularity, PerChannel):
-            return torch.per_channel_symmetric if sym else torch.per_channel_affine
-        return None
-
-    @property
-    def ch_axis(self) -> Optional[int]:
-        # torchao's QuantizationSpec rejects a negative ch_axis.
-        g = self.granularity
-        return g.axis if isinstance(g, PerChannel) and g.axis >= 0 else None
-
-    def to_quantization_spec(self):
-        """The torchao QuantizationSpec for a Quantizer's annotations. Its
-        standard fields describe this spec as far as torchao can; the
-        constructor carries the QSpec itself."""
-        from torchao.quantization.pt2e.quantizer import QuantizationSpec
-
-        from .fake_quantize import FakeQuantize
-
-        qmin, qmax = self.quant_range
-        return QuantizationSpec(
-            dtype=self.format.torch_dtype,
-            observer_or_fake_quant_ctr=FakeQuantize.with_args(qspec=self),
-            quant_min=qmin,
-            quant_max=qmax,
-            qscheme=self.torch_qscheme,
-            ch_axis=self.ch_axis,
-            # Always False: with is_dynamic=True convert_pt2e looks for the
-            # choose_qparams node of its own rewrite and fails on ours. The
-            # module reads QSpec.dynamic.
-            is_dynamic=False,
-        )
+        return self.kind.quant_range(self)
 
     def __str__(self) -> str:
         fmt = self.format.name if isinstance(self.format, FloatFormat) else repr(self.format)

@@ -12,15 +12,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from .blocks import reduced_shape
-
-
-def expand_blocks(t: torch.Tensor, shape: Sequence[int], block_size: Sequence[int]) -> torch.Tensor:
-    """Repeats each per-block value over its block: reduced shape -> shape."""
-    t = t.reshape(reduced_shape(shape, block_size))
-    for d, (s, b) in enumerate(zip(shape, block_size)):
-        t = t.repeat_interleave(b, dim=d).narrow(d, 0, s)
-    return t
+from .blocks import expand_blocks
+from .float_cast import cast_float
+from .formats import ELEMENTS, NVFP4_BLOCK
 
 
 def fake_quantize_affine(
@@ -60,42 +54,14 @@ def pack_mask(mask: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------
-# Float formats, written from the format definitions: FP8 rounding is torch's
-# own cast; E2M1 (which torch cannot cast to) is a nearest-neighbour search
-# over its eight magnitudes; MX follows OCP MX v1.0 section 6.3, NVFP4 the
+# Float formats, written from the format definitions: the element cast is
+# float_cast.cast_float (torch's own cast for FP8, a nearest-neighbour search
+# for E2M1, which torch cannot cast to); MX follows OCP MX v1.0 section 6.3, NVFP4 the
 # two-level recipe documented in `pt2e_fq.ops.fake_quantize_nvfp4`.
 
-E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
-# dtype -> (largest finite value, exponent of the largest power of two below it)
-FLOAT_FORMATS = {
-    torch.float8_e4m3fn: (448.0, 8),
-    torch.float8_e5m2: (57344.0, 15),
-    torch.float4_e2m1fn_x2: (6.0, 2),
-}
-
-
-def round_e2m1(v: torch.Tensor) -> torch.Tensor:
-    """The nearest E2M1 value to each |v| <= 6, ties to the even code (the
-    grid index is the code, so even index = mantissa bit 0); sign kept."""
-    grid = torch.tensor(E2M1_GRID, dtype=torch.float64)
-    a = v.double().abs().contiguous()
-    hi = torch.searchsorted(grid, a).clamp(1, len(E2M1_GRID) - 1)
-    lo = hi - 1
-    d_lo, d_hi = a - grid[lo], grid[hi] - a
-    pick_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0))
-    mag = torch.where(pick_hi, grid[hi], grid[lo])
-    mag = torch.where(torch.isnan(a), a, mag)
-    return torch.copysign(mag, v.double()).float()
-
-
-def cast_float(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Saturating round-to-nearest-even cast of fp32 v to dtype and back."""
-    fmax = FLOAT_FORMATS[dtype][0]
-    v = torch.clamp(v, -fmax, fmax)  # keeps NaN
-    if dtype == torch.float4_e2m1fn_x2:
-        return round_e2m1(v)
-    return v.to(dtype).float()
+# torch dtype -> (largest finite value, exponent of the largest power of two
+# below it), from the element table.
+FLOAT_FORMATS = {e.torch_dtype: (e.fmax, e.emax) for e in ELEMENTS.values() if e.torch_dtype is not None}
 
 
 def _fake_quantize_scaled(x32: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
@@ -154,17 +120,17 @@ def fake_quantize_mx(x: torch.Tensor, dtype: torch.dtype, block_size: int = 32, 
 
 
 def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
-    """max|x| / (448 * 6), and 1 where that is 0 or Inf."""
-    g = x.float().abs().amax() / (448.0 * 6.0)
+    """max|x| / (fmax(E4M3) * fmax(E2M1)), and 1 where that is 0 or Inf."""
+    g = x.float().abs().amax() / (ELEMENTS["e4m3"].fmax * ELEMENTS["e2m1"].fmax)
     return torch.where((g == 0) | torch.isinf(g), torch.ones_like(g), g)
 
 
 def fake_quantize_nvfp4(x: torch.Tensor, global_scale: Optional[torch.Tensor] = None, axis: int = -1):
     """Returns (y in x's dtype, bool mask, fp32 E4M3 block scales, global scale)."""
     g = nvfp4_global_scale(x) if global_scale is None else global_scale.float().reshape(())
-    blocks = _to_blocks(x, 16, axis)
+    blocks = _to_blocks(x, NVFP4_BLOCK, axis)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
-    block_scale = cast_float(amax / 6.0 / g, torch.float8_e4m3fn)
+    block_scale = cast_float(amax / ELEMENTS["e2m1"].fmax / g, torch.float8_e4m3fn)
     scale = block_scale * g
     flush = scale == 0  # nothing representable: the block becomes 0, nothing clamped
     y, mask = _fake_quantize_scaled(blocks, torch.where(flush, 1.0, scale), torch.float4_e2m1fn_x2)

@@ -32,11 +32,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .fake_quantize import FakeQuantize
-from .formats import FloatFormat, IntFormat
-from .inputs import as_args
+from .format_kinds import INTEGER, SCALED_FLOAT, OpCall
+from .formats import IntFormat
 from .granularity import PerBlock, PerChannel, PerGroup, PerTensor
+from .inputs import as_args
+from .op_call import decode, decode_node
 from .ops import unpack_mask
-from .qspec import Formulation
+from .schemes import Formulation
 
 
 class _OpCalls(TorchDispatchMode):
@@ -72,20 +74,6 @@ class _Run(torch.fx.Interpreter):
             return super().call_module(target, args, kwargs)
         finally:
             self.calls.current = None
-
-
-def _qparams(func, args, out, elem_bits: float) -> tuple[dict[str, Optional[torch.Tensor]], float]:
-    """The qparams an op call applied (scale, zero_point, minval; None where
-    it has none) and the bytes they take stored: fp32 scales and minvals,
-    zero points at the element width, MX's E8M0 and NVFP4's E4M3 block scales
-    one byte each (NVFP4's element scale is block scale x global scale)."""
-    if func == torch.ops.pt2e_fq.fake_quantize_mx.default:
-        return {"scale": out[2], "zero_point": None, "minval": None}, out[2].numel()
-    if func == torch.ops.pt2e_fq.fake_quantize_nvfp4.default:
-        return {"scale": out[2] * out[3], "zero_point": None, "minval": None}, out[2].numel() + 4
-    values = dict(zip([a.name for a in func._schema.arguments], args))
-    qp = {k: values.get(k) for k in ("scale", "zero_point", "minval")}
-    return qp, _bytes(qp["scale"], 32) + _bytes(qp["zero_point"], elem_bits) + _bytes(qp["minval"], 32)
 
 
 def _is_constant(node: torch.fx.Node) -> bool:
@@ -127,13 +115,6 @@ def _role(src: torch.fx.Node, point: torch.fx.Node) -> tuple[str, str]:
     if consumers:
         text += f", input of {', '.join(consumers)}"
     return _module_path(src), text
-
-
-def _bits(fmt) -> float:
-    """Storage bits per element (scales counted apart)."""
-    if isinstance(fmt, IntFormat):
-        return fmt.bits
-    return 4 if fmt.elem_dtype == torch.float4_e2m1fn_x2 else 8
 
 
 def _bytes(t: Optional[torch.Tensor], bits: float) -> float:
@@ -178,8 +159,10 @@ class Report:
         if call is not None:
             func, op_args, out = call
             x, y, packed = x.detach(), out[0], out[1]
-            qp, qparam_bytes = _qparams(func, op_args, out, bits)
-            row.update(scale=_range(qp["scale"]), zero_point=_range(qp["zero_point"]), minval=_range(qp["minval"]))
+            op_call = decode(func, op_args)
+            qparam_bytes = sum(_bytes(t, b) for t, b in op_call.stored_qparams(out))
+            row.update(scale=_range(op_call.applied_scale(out)), zero_point=_range(op_call.zero_point),
+                       minval=_range(op_call.minval))
             row["clipped"] = 1.0 - unpack_mask(packed, x.shape).float().mean().item() if x.numel() else 0.0
             row["sqnr_db"] = _sqnr_db(x, y)
             if point_role.startswith(("weight", "bias")):
@@ -242,7 +225,7 @@ def report(model, example_inputs=None, *, file=sys.stdout) -> Report:
         x = run.inputs.get(name)
         call = calls.calls.get(name) if x is not None else None
         result.add(name, role(node), _format(spec), repr(spec.granularity) + (" dynamic" if spec.dynamic else ""),
-                   _bits(spec.format), call, x)
+                   spec.format.bits, call, x)
     if file is not None:
         print(result.table(), file=file)
     return result
@@ -282,9 +265,10 @@ def _report_program(program: torch.export.ExportedProgram, example_inputs, file)
     result.quantized_weight_bytes = float(result.float_weight_bytes)
     for node, call in run.calls.items():
         func, op_args, out = call
-        fmt, fmt_text, granularity = _op_format(func, op_args, node)
+        op_call = decode(func, op_args)
+        fmt_text, granularity = _describe(op_call, node)
         value = next((u for u in node.users if u.target is operator.getitem and u.args[1] == 0), node)
-        result.add(_point_name(node), _role(node.args[0], value), fmt_text, granularity, _bits(fmt), call,
+        result.add(_point_name(node), _role(node.args[0], value), fmt_text, granularity, op_call.format.bits, call,
                    op_args[0])
     if file is not None:
         print(result.table(), file=file)
@@ -301,46 +285,22 @@ def _point_name(node: torch.fx.Node) -> str:
     return node.name
 
 
-_FLOAT_ELEMENTS = {  # element format -> (static-scale format, MX format)
-    "e4m3": (FloatFormat.FP8_E4M3, FloatFormat.MXFP8_E4M3),
-    "e5m2": (FloatFormat.FP8_E5M2, FloatFormat.MXFP8_E5M2),
-    "e2m1": (FloatFormat.FP4_E2M1, FloatFormat.MXFP4),
-}
-
-
-def _op_format(func, args, node: torch.fx.Node) -> tuple:
-    """(format, format text, granularity text) of a pt2e_fq op call, from
-    its arguments; a scale computed in the graph (not a constant) is dynamic."""
-    ops = torch.ops.pt2e_fq
-    x = args[0]
-    if func in (ops.fake_quantize_affine.default, ops.fake_quantize_float.default):
-        scale = node.args[2]
-        dynamic = " dynamic" if isinstance(scale, torch.fx.Node) and not _is_constant(scale) else ""
-    if func == ops.fake_quantize_affine.default:
-        qmin, qmax, minval = args[4], args[5], args[6]
-        fmt = _int_format(qmin, qmax)
-        text = f"{fmt!r} [{qmin}, {qmax}]" + ("" if minval is None else " minval")
-        return fmt, text, _granularity(x.shape, args[1]) + dynamic
-    if func == ops.fake_quantize_float.default:
-        fmt = _FLOAT_ELEMENTS[args[3]][0]
-        return fmt, fmt.name, _granularity(x.shape, args[1]) + dynamic
-    if func == ops.fake_quantize_mx.default:
-        fmt = _FLOAT_ELEMENTS[args[1]][1]
-        return fmt, fmt.name, f"{PerGroup(args[2], args[3])!r} dynamic"
-    if func == ops.fake_quantize_nvfp4.default:
-        fmt = FloatFormat.NVFP4
-        return fmt, fmt.name, repr(PerGroup(fmt.scale_block, args[2])) + (" dynamic" if args[1] is None else "")
-    raise ValueError(f"report: unknown pt2e_fq op {func}")
-
-
-def _int_format(quant_min: int, quant_max: int) -> IntFormat:
-    """The narrowest integer format holding [quant_min, quant_max]."""
-    signed = quant_min < 0
-    for bits in range(2, 17):
-        lo, hi = IntFormat(bits, signed).quant_range(narrow=False)
-        if lo <= quant_min and quant_max <= hi:
-            return IntFormat(bits, signed)
-    raise ValueError(f"report: no integer format holds [{quant_min}, {quant_max}]")
+def _describe(call: OpCall, node: torch.fx.Node) -> tuple[str, str]:
+    """(format text, granularity text) of an op call; a point whose scale is
+    computed (in the kernel, or in the graph rather than a constant) is
+    dynamic."""
+    x, fmt = call.x, call.format
+    if call.kind is INTEGER:
+        text = f"{fmt!r} [{call.quant_min}, {call.quant_max}]" + ("" if call.minval is None else " minval")
+    else:
+        text = fmt.name
+    if call.kind in (INTEGER, SCALED_FLOAT):
+        scale = decode_node(node).scale
+        dynamic = isinstance(scale, torch.fx.Node) and not _is_constant(scale)
+        return text, _granularity(x.shape, call.block_size) + (" dynamic" if dynamic else "")
+    dynamic = call.global_scale is None  # MX has none: its scales always come from the kernel
+    granularity = PerGroup(call.block_size[call.axis], call.axis)
+    return text, repr(granularity) + (" dynamic" if dynamic else "")
 
 
 def _granularity(shape, block_size) -> str:
@@ -360,7 +320,7 @@ def _granularity(shape, block_size) -> str:
 
 def _format(spec) -> str:
     fmt = spec.format
-    text = fmt.name if isinstance(fmt, FloatFormat) else repr(fmt)
+    text = repr(fmt) if isinstance(fmt, IntFormat) else fmt.name
     if isinstance(fmt, IntFormat):
         text += f" {spec.scheme.value}"
         if spec.formulation is Formulation.MINVAL:

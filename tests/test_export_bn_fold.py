@@ -8,6 +8,8 @@ import pytest
 import torch
 import torchao.quantization.pt2e as tao
 from quantized_models import QAT_SHAPE, batch, fake_quant_nodes, qat_converted, qat_prepared
+from simple_quantizer import ConvBnReluLinear, LinearConvQuantizer
+from torchao.quantization.pt2e.quantize_pt2e import prepare_qat_pt2e
 
 import pt2e_fq as q
 from pt2e_fq.export import exported_program, fold_conv_bn
@@ -95,3 +97,39 @@ def test_exporters_fold_by_default_and_leave_the_model_alone():
     assert aten.batch_norm.default not in [n.target for n in refolded.graph.nodes]
     assert aten.batch_norm.default in [n.target for n in kept.graph.nodes]
     torch.testing.assert_close(refolded.module()(x), folded.module()(x), rtol=0, atol=0)
+
+
+# One weight spec per format kind (integer, scaled float, MX, NVFP4); the
+# conv weight is 8 x 3 x 3 x 3, so the blocks run along its 3 input channels.
+WEIGHT_OF_EVERY_KIND = {
+    "int8": q.QSpec(q.INT8, q.PerChannel(0), observer=q.CurrentMinMaxObserver()),
+    "fp8": q.QSpec(q.FP8_E4M3, q.PerChannel(0), observer=q.CurrentMinMaxObserver()),
+    "mxfp8": q.QSpec(q.MXFP8_E4M3, q.PerGroup(32, 1), dynamic=True),
+    "nvfp4": q.QSpec(q.NVFP4, q.PerGroup(16, 1), observer=q.CurrentMinMaxObserver()),
+}
+
+
+@pytest.mark.parametrize("weight", WEIGHT_OF_EVERY_KIND.values(), ids=WEIGHT_OF_EVERY_KIND.keys())
+def test_an_exported_program_folds_under_every_weight_format(weight):
+    """The conv weight's point is read off the op call whatever its format,
+    so the pattern folds in an ExportedProgram (where points are op calls,
+    not FakeQuantize modules) for float formats too."""
+    torch.manual_seed(0)
+    x = batch(0, QAT_SHAPE)
+    activation = q.QSpec(q.INT8, observer=q.CurrentMinMaxObserver())
+    gm = prepare_qat_pt2e(torch.export.export(ConvBnReluLinear().train(), (x,)).module(),
+                          LinearConvQuantizer(activation, weight))
+    gm(x)  # calibrates
+    gm.apply(tao.disable_observer)
+    tao.move_exported_model_to_eval(gm)
+    # Points after the conv off: what remains differs from the unfolded graph by fp32 rounding only.
+    for target in _points_after_conv(gm):
+        gm.get_submodule(target).disable_fake_quant()
+    program = torch.export.export(gm, (x,))
+    assert aten.batch_norm.default in [n.target for n in program.graph.nodes]
+
+    folded = exported_program(program, (x,))
+    assert aten.batch_norm.default not in [n.target for n in folded.graph.nodes]
+    y = batch(22, QAT_SHAPE)
+    with torch.no_grad():
+        torch.testing.assert_close(folded.module()(y), program.module()(y), rtol=1e-5, atol=1e-5)

@@ -13,7 +13,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import pt2e_fq as q
 from pt2e_fq import reference
 from pt2e_fq.blocks import reduce_blocks
-from pt2e_fq.qparams import qparams_from_range
+
 
 
 def randn(*shape, seed=0, dtype=torch.float32):
@@ -27,7 +27,7 @@ def expected_output(spec: q.QSpec, x: torch.Tensor) -> torch.Tensor:
     bs = spec.granularity.block_size(x.shape)
     lo = reduce_blocks(x, bs, torch.amin, float("inf"))
     hi = reduce_blocks(x, bs, torch.amax, -float("inf"))
-    p = qparams_from_range(spec, lo, hi)
+    p = spec.kind.qparams_from_range(spec, lo, hi)
     qmin, qmax = spec.quant_range
     return reference.fake_quantize_affine(x, bs, p["scale"], p.get("zero_point"), qmin, qmax, p.get("minval"))[0]
 

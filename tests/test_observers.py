@@ -14,7 +14,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import pt2e_fq as q
 from pt2e_fq import reference
 from pt2e_fq.blocks import reduce_blocks
-from pt2e_fq.qparams import qparams_from_range
+
 
 EPS = torch.finfo(torch.float32).eps
 
@@ -81,7 +81,7 @@ def test_reduce_blocks_matches_a_loop_over_blocks(block, reduce, pad):
     ids=lambda v: str(v) if isinstance(v, q.QSpec) else None,
 )
 def test_qparams_from_range_hand_computed(spec, lo, hi, expected):
-    got = qparams_from_range(spec, t(lo), t(hi))
+    got = spec.kind.qparams_from_range(spec, t(lo), t(hi))
     assert sorted(got) == sorted(expected)
     for name, value in expected.items():
         assert got[name].item() == value, name
@@ -91,7 +91,7 @@ def test_qparams_from_range_hand_computed(spec, lo, hi, expected):
 
 def test_qparams_are_per_block():
     spec = q.QSpec(q.INT8, q.PerChannel(0), "asymmetric")
-    got = qparams_from_range(spec, t(-1.0, 0.0), t(3.0, 2.0))
+    got = spec.kind.qparams_from_range(spec, t(-1.0, 0.0), t(3.0, 2.0))
     assert got["scale"].tolist() == [f32(4.0, 255.0), f32(2.0, 255.0)]
     assert got["zero_point"].tolist() == [-64, -128]
 
@@ -145,7 +145,7 @@ def _reference_fake_quantize(spec, x, block_size):
     qmin, qmax = spec.quant_range
 
     def fq(lo, hi):
-        p = qparams_from_range(spec, lo, hi)
+        p = spec.kind.qparams_from_range(spec, lo, hi)
         return reference.fake_quantize_affine(x, block_size, p["scale"], p.get("zero_point"), qmin, qmax,
                                               p.get("minval"))[0]
 
@@ -214,12 +214,12 @@ def test_observe_and_qparams_trace_with_fake_tensors(spec):
         bs = spec.granularity.block_size(x.shape)
 
         def fq(lo, hi):
-            p = qparams_from_range(spec, lo, hi)
+            p = spec.kind.qparams_from_range(spec, lo, hi)
             return q.ops.fake_quantize_affine(x, bs, p["scale"], p.get("zero_point"), qmin, qmax,
                                               minval=p.get("minval"))
 
         lo, hi = obs.observe(x, bs, (run_lo, run_hi), fq)
-        return qparams_from_range(spec, lo, hi)
+        return spec.kind.qparams_from_range(spec, lo, hi)
 
     x = torch.randn(4, 8)
     red = torch.Size([-(-a // b) for a, b in zip(x.shape, spec.granularity.block_size(x.shape))])

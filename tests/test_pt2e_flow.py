@@ -18,7 +18,6 @@ from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e, 
 
 import pt2e_fq as q
 from pt2e_fq import reference
-from pt2e_fq.qparams import qparam_names
 
 FQ_OP = torch.ops.pt2e_fq.fake_quantize_affine.default
 
@@ -81,7 +80,8 @@ def test_ptq_flow_round_trips_through_a_saved_program_bit_for_bit(tmp_path):
         calls = [n for n in ep.graph.nodes if n.op == "call_function" and "pt2e_fq" in str(n.target)]
         assert [n.target for n in calls] == [FQ_OP] * len(fqs)  # one op per point, nothing else of ours
         # The program's buffers are exactly the static points' qparams.
-        expected = {f"{p}.{b}" for p, m in fqs.items() if not m.qspec.dynamic for b in qparam_names(m.qspec)}
+        expected = {f"{p}.{b}" for p, m in fqs.items() if not m.qspec.dynamic
+                    for b in m.qspec.kind.qparam_names(m.qspec)}
         assert set(ep.graph_signature.inputs_to_buffers.values()) == expected
         assert expected  # (the dynamic config still has static weights and outputs)
 

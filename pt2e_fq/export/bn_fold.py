@@ -24,6 +24,7 @@ import torch
 from torch.fx.node import map_arg
 
 from ..fake_quantize import FakeQuantize
+from ..op_call import decode_node, is_fake_quant_node
 
 aten = torch.ops.aten
 _CONVS = {
@@ -34,7 +35,6 @@ _CONVS = {
     aten.conv_transpose2d.input,
     aten.conv_transpose3d.input,
 }
-_FQ_OPS = {torch.ops.pt2e_fq.fake_quantize_affine.default}
 
 
 def _is_call(node, *targets) -> bool:
@@ -43,16 +43,16 @@ def _is_call(node, *targets) -> bool:
 
 def _fake_quant_input(gm: torch.fx.GraphModule, node):
     """The input of a fake-quant point: a FakeQuantize call_module node (a
-    converted model) or getitem(pt2e_fq op, 0) (ExportedProgram.module());
-    None for anything else."""
+    converted model) or getitem(pt2e_fq op, 0) (ExportedProgram.module()),
+    of any format; None for anything else."""
     if not isinstance(node, torch.fx.Node):
         return None
     if node.op == "call_module" and isinstance(gm.get_submodule(node.target), FakeQuantize):
         return node.args[0]
     if node.op == "call_function" and node.target.__name__ == "getitem" and node.args[1] == 0:
         op = node.args[0]
-        if _is_call(op, *_FQ_OPS):
-            return op.args[0]
+        if isinstance(op, torch.fx.Node) and is_fake_quant_node(op):
+            return decode_node(op).x
     return None
 
 

@@ -16,17 +16,14 @@ from typing import Any, Optional, Union
 
 import torch
 
+from ..formats import FloatFormat
 from ..inputs import as_args
+from ..op_call import decode_node, is_fake_quant_node, program_constants
 from .program import exported_program
 
 # ONNX metadata key: a JSON list, per fake-quant point, of the names of its
 # input ("input": null for a weight stored as integers) and output values.
 POINTS_METADATA = "pt2e_fq.points"
-
-
-def is_fake_quant(node: torch.fx.Node) -> bool:
-    """A call of one of the pt2e_fq operators."""
-    return node.op == "call_function" and str(node.target).startswith("pt2e_fq.")
 
 
 def require_onnx() -> None:
@@ -40,35 +37,16 @@ def require_onnx() -> None:
         ) from None
 
 
-def placeholder_constants(ep: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
-    """The program's parameters, buffers and constants by placeholder name."""
-    sig = ep.graph_signature
-    named = {**ep.state_dict, **ep.constants}
-    mapping = {**sig.inputs_to_parameters, **sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}
-    return {placeholder: named[target] for placeholder, target in mapping.items() if target in named}
-
-
-def _element_format(node: torch.fx.Node) -> Optional[str]:
-    """The element format ("e4m3", "e5m2", "e2m1") of a float-format op call."""
-    pt2e_fq = torch.ops.pt2e_fq
-    if node.target == pt2e_fq.fake_quantize_float.default:
-        return node.args[3]
-    if node.target == pt2e_fq.fake_quantize_mx.default:
-        return node.args[1]
-    if node.target == pt2e_fq.fake_quantize_nvfp4.default:
-        return "e2m1"
-    return None
-
-
 def _check_exportable(ep: torch.export.ExportedProgram) -> None:
     """Refuses what the ONNX translation cannot carry: E2M1 elements, and any
     op output but the fake-quantized values (the clamp mask, MX scales)."""
     from .onnx_qdq import E2M1_UNSUPPORTED
 
     for node in ep.graph.nodes:
-        if not is_fake_quant(node):
+        if not is_fake_quant_node(node):
             continue
-        if _element_format(node) == "e2m1":
+        fmt = decode_node(node).format
+        if isinstance(fmt, FloatFormat) and fmt.element.name == "e2m1":
             raise NotImplementedError(f"to_onnx: {node.name} has {E2M1_UNSUPPORTED}")
         for user in node.users:
             if user.args[1] != 0 and user.users:
@@ -107,7 +85,7 @@ def to_onnx(
         as_args(example_inputs),
         dynamo=True,
         opset_version=opset,
-        custom_translation_table=translation_table(placeholder_constants(ep), points),
+        custom_translation_table=translation_table(program_constants(ep), points),
         verbose=False,
     )
     # Where each point's Q/DQ subgraph starts and ends, for check_onnx (and

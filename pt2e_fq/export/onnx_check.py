@@ -25,7 +25,8 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .onnx import POINTS_METADATA, is_fake_quant, require_onnx
+from ..op_call import is_fake_quant_node
+from .onnx import POINTS_METADATA, require_onnx
 from ..inputs import as_args
 from .program import exported_program
 
@@ -157,7 +158,7 @@ def _check_points(model, ep, values) -> int:
         raise AssertionError(f"check_onnx: the file has no {POINTS_METADATA!r} metadata; export it with to_onnx")
     file_points = json.loads(metadata)
     inputs = {p["output"]: p["input"] for p in file_points}
-    if not any(is_fake_quant(node) for node in ep.graph.nodes):
+    if not any(is_fake_quant_node(node) for node in ep.graph.nodes):
         suspect = (f"the file has {len(file_points)} point(s): pass the converted model it was exported "
                    "from, not the float model" if file_points else
                    "neither has the file: export and check a converted model (pipeline.convert)")
@@ -165,7 +166,7 @@ def _check_points(model, ep, values) -> int:
     extractor = Extractor(model)
     checked = 0
     for node in ep.graph.nodes:
-        if not is_fake_quant(node):
+        if not is_fake_quant_node(node):
             continue
         (y,) = [u for u in node.users if u.args[1] == 0]
         if y.name not in inputs:

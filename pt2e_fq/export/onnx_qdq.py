@@ -47,11 +47,14 @@ import torch
 from onnxscript import opset21 as op
 
 from .. import ops
-from ..reference import FLOAT_FORMATS, cast_float, expand_blocks
+from ..blocks import expand_blocks
+from ..float_cast import cast_float
+from ..format_kinds import OpCall
+from ..op_call import decode
 from .onnx_layout import FP8, Point, constant, int_type, numpy_array
 
+pt2e_fq_ops = torch.ops.pt2e_fq
 _CLIP_TYPES = (ir.DataType.INT8, ir.DataType.UINT8)  # integer Clip that ONNX Runtime runs
-_ELEM_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 E2M1_UNSUPPORTED = (
     "E2M1 (FP4) elements: ONNX represents them as FLOAT4E2M1 from opset 23 (Q / DQ with block "
     "scales; NVFP4 as a DequantizeLinear of its E4M3 block scales by the global scale, then of the "
@@ -87,60 +90,74 @@ _NO_MASK = np.zeros(0, np.uint8)
 
 
 def _affine(constants: Mapping[str, torch.Tensor], points: list) -> Callable:
+    # The signature is the op's schema: torch.onnx matches the two.
     def fake_quantize_affine(x, block_size, scale, zero_point, quant_min, quant_max, minval=None):
-        p = Point(constants, x, block_size, scale.shape)
-        p.set_scale(scale)
-        qt = int_type(quant_min, quant_max)
-        if minval is not None:
-            zp = p.filled(quant_min, qt)
-        elif zero_point is None:
-            zp = p.filled(0, qt)
-        else:
-            zp = p.qparam(zero_point, qt)
-        m = p.at_x_shape(minval, p.x_shape_value(x)) if minval is not None else None
-        folded = all(p.const(v) is not None for v in (x, scale, zero_point, minval) if v is not None)
-        if folded:  # a weight: store the integers
-            q = quantize_int(p.const(x), p.block_size, p.const(scale), p.const(zero_point), quant_min, quant_max,
-                             p.const(minval))
-            y = p.dequantize(constant(numpy_array(q, qt)), zp)
-        else:
-            xf = _float32(x)
-            q = p.quantize(xf if m is None else op.Sub(xf, m), zp)
-            narrow = (quant_min, quant_max) != (qt.min, qt.max)
-            if narrow and qt.onnx in _CLIP_TYPES:
-                q = op.Clip(q, constant(np.array(quant_min, qt.numpy)), constant(np.array(quant_max, qt.numpy)))
-            y = p.dequantize(q, zp)
-            if narrow and qt.onnx not in _CLIP_TYPES:
-                lo, hi = (p.dequantize(p.filled(v, qt), zp) for v in (quant_min, quant_max))
-                y = op.Max(op.Min(y, hi), lo)
-        if m is not None:
-            y = op.Add(y, m)
-        y = _as_dtype(y, x.dtype)
-        points.append((None if folded else x, y))
-        return y, constant(_NO_MASK)
+        call = decode(pt2e_fq_ops.fake_quantize_affine.default,
+                      (x, block_size, scale, zero_point, quant_min, quant_max, minval))
+        return _translate_affine(call, constants, points)
 
     return fake_quantize_affine
 
 
+def _translate_affine(call: OpCall, constants, points: list):
+    x, scale, zero_point, minval = call.x, call.scale, call.zero_point, call.minval
+    quant_min, quant_max = call.quant_min, call.quant_max
+    p = Point(constants, x, call.block_size, scale.shape)
+    p.set_scale(scale)
+    qt = int_type(quant_min, quant_max)
+    if minval is not None:
+        zp = p.filled(quant_min, qt)
+    elif zero_point is None:
+        zp = p.filled(0, qt)
+    else:
+        zp = p.qparam(zero_point, qt)
+    m = p.at_x_shape(minval, p.x_shape_value(x)) if minval is not None else None
+    folded = all(p.const(v) is not None for v in (x, scale, zero_point, minval) if v is not None)
+    if folded:  # a weight: store the integers
+        q = quantize_int(p.const(x), p.block_size, p.const(scale), p.const(zero_point), quant_min, quant_max,
+                         p.const(minval))
+        y = p.dequantize(constant(numpy_array(q, qt)), zp)
+    else:
+        xf = _float32(x)
+        q = p.quantize(xf if m is None else op.Sub(xf, m), zp)
+        narrow = (quant_min, quant_max) != (qt.min, qt.max)
+        if narrow and qt.onnx in _CLIP_TYPES:
+            q = op.Clip(q, constant(np.array(quant_min, qt.numpy)), constant(np.array(quant_max, qt.numpy)))
+        y = p.dequantize(q, zp)
+        if narrow and qt.onnx not in _CLIP_TYPES:
+            lo, hi = (p.dequantize(p.filled(v, qt), zp) for v in (quant_min, quant_max))
+            y = op.Max(op.Min(y, hi), lo)
+    if m is not None:
+        y = op.Add(y, m)
+    y = _as_dtype(y, x.dtype)
+    points.append((None if folded else x, y))
+    return y, constant(_NO_MASK)
+
+
 def _float(constants: Mapping[str, torch.Tensor], points: list) -> Callable:
     def fake_quantize_float(x, block_size, scale, fmt):
-        qt = FP8[fmt]
-        p = Point(constants, x, block_size, scale.shape)
-        p.set_scale(scale)
-        zp = p.filled(0, qt)
-        folded = p.const(x) is not None and p.const(scale) is not None
-        if folded:
-            s = expand_blocks(p.const(scale).float(), p.const(x).shape, p.block_size)
-            dtype = _ELEM_DTYPES[fmt]
-            q = cast_float(p.const(x).float() / s, dtype).to(dtype)
-            y = p.dequantize(constant(numpy_array(q, qt)), zp)
-        else:
-            y = p.dequantize(p.quantize(_float32(x), zp), zp)
-        y = _as_dtype(y, x.dtype)
-        points.append((None if folded else x, y))
-        return y, constant(_NO_MASK)
+        call = decode(pt2e_fq_ops.fake_quantize_float.default, (x, block_size, scale, fmt))
+        return _translate_float(call, constants, points)
 
     return fake_quantize_float
+
+
+def _translate_float(call: OpCall, constants, points: list):
+    x, scale, elem = call.x, call.scale, call.format.element
+    qt = FP8[elem.name]
+    p = Point(constants, x, call.block_size, scale.shape)
+    p.set_scale(scale)
+    zp = p.filled(0, qt)
+    folded = p.const(x) is not None and p.const(scale) is not None
+    if folded:
+        s = expand_blocks(p.const(scale).float(), p.const(x).shape, p.block_size)
+        q = cast_float(p.const(x).float() / s, elem.name).to(elem.torch_dtype)
+        y = p.dequantize(constant(numpy_array(q, qt)), zp)
+    else:
+        y = p.dequantize(p.quantize(_float32(x), zp), zp)
+    y = _as_dtype(y, x.dtype)
+    points.append((None if folded else x, y))
+    return y, constant(_NO_MASK)
 
 
 def _mx_scales(xf, p: Point, axis: int, block: int, emax: int):
@@ -181,30 +198,33 @@ def _mx_scales(xf, p: Point, axis: int, block: int, emax: int):
 
 def _mx(constants: Mapping[str, torch.Tensor], points: list) -> Callable:
     def fake_quantize_mx(x, elem_fmt, block_size, axis):
-        qt = FP8[elem_fmt]
-        axis = axis % len(x.shape)
-        blocks = [block_size if d == axis else 1 for d in range(len(x.shape))]
-        scale_shape = [(-(-s // block_size) if d == axis else s) if isinstance(s, int) else s
-                       for d, s in enumerate(x.shape)]
-        p = Point(constants, x, blocks, scale_shape)
-        xc = p.const(x)
-        dtype = _ELEM_DTYPES[elem_fmt]
-        if xc is not None:  # a weight: FP8 codes and the block scales the kernel computes
-            _, scales = ops.fake_quantize_mx_with_scales(xc.detach(), dtype, block_size, axis)
-            p.set_scale(scales)
-            s = expand_blocks(scales, xc.shape, blocks)
-            q = cast_float(xc.float() / s, dtype).to(dtype)
-            y = p.dequantize(constant(numpy_array(q, qt)), p.filled(0, qt))
-        else:
-            xf = _float32(x)
-            p.set_scale(_mx_scales(xf, p, axis, block_size, FLOAT_FORMATS[dtype][1]))
-            zp = p.filled(0, qt)
-            y = p.dequantize(p.quantize(xf, zp), zp)
-        y = _as_dtype(y, x.dtype)
-        points.append((None if xc is not None else x, y))
-        return y, constant(_NO_MASK), constant(np.zeros(0, np.float32))  # only y is carried
+        call = decode(pt2e_fq_ops.fake_quantize_mx.default, (x, elem_fmt, block_size, axis))
+        return _translate_mx(call, constants, points)
 
     return fake_quantize_mx
+
+
+def _translate_mx(call: OpCall, constants, points: list):
+    x, axis, elem = call.x, call.axis % len(call.x.shape), call.format.element
+    block = call.block_size[axis]
+    qt = FP8[elem.name]
+    scale_shape = [(-(-s // block) if d == axis else s) if isinstance(s, int) else s for d, s in enumerate(x.shape)]
+    p = Point(constants, x, call.block_size, scale_shape)
+    xc = p.const(x)
+    if xc is not None:  # a weight: FP8 codes and the block scales the kernel computes
+        _, scales = ops.fake_quantize_mx_with_scales(xc.detach(), elem.name, block, axis)
+        p.set_scale(scales)
+        s = expand_blocks(scales, xc.shape, call.block_size)
+        q = cast_float(xc.float() / s, elem.name).to(elem.torch_dtype)
+        y = p.dequantize(constant(numpy_array(q, qt)), p.filled(0, qt))
+    else:
+        xf = _float32(x)
+        p.set_scale(_mx_scales(xf, p, axis, block, elem.emax))
+        zp = p.filled(0, qt)
+        y = p.dequantize(p.quantize(xf, zp), zp)
+    y = _as_dtype(y, x.dtype)
+    points.append((None if xc is not None else x, y))
+    return y, constant(_NO_MASK), constant(np.zeros(0, np.float32))  # only y is carried
 
 
 def translation_table(constants: Mapping[str, torch.Tensor], points: list) -> dict[Callable, Callable]:
@@ -212,9 +232,8 @@ def translation_table(constants: Mapping[str, torch.Tensor], points: list) -> di
     placeholder names to their tensors (parameters, buffers, constants).
     Each translation appends to `points` its (input, output) ONNX values,
     input None where x was a constant stored as codes."""
-    pt2e_fq = torch.ops.pt2e_fq
     return {
-        pt2e_fq.fake_quantize_affine.default: _affine(constants, points),
-        pt2e_fq.fake_quantize_float.default: _float(constants, points),
-        pt2e_fq.fake_quantize_mx.default: _mx(constants, points),
+        pt2e_fq_ops.fake_quantize_affine.default: _affine(constants, points),
+        pt2e_fq_ops.fake_quantize_float.default: _float(constants, points),
+        pt2e_fq_ops.fake_quantize_mx.default: _mx(constants, points),
     }

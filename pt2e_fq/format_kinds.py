@@ -1,0 +1,318 @@
+"""Format kinds: what a fake-quant point of each kind of format stores, how
+it gets it from an observed range, and which fused op applies it.
+
+One small strategy object per kind, so QSpec, FakeQuantize and every
+reader of op calls (report, export) ask the kind instead of branching on
+the format:
+
+- INTEGER: affine integer formats (fake_quantize_affine); scale and zero
+  point (ZP) or minval (MINVAL) per block of the granularity.
+- SCALED_FLOAT: FP8 / FP4 elements with one observed scale per block
+  (fake_quantize_float).
+- MX: elements in blocks whose E8M0 scales the kernel computes from the
+  live tensor (fake_quantize_mx); nothing observed, always dynamic.
+- NVFP4: E2M1 in blocks of 16 with E4M3 block scales from the kernel under
+  an fp32 global scale, observed per tensor or computed in the kernel
+  (fake_quantize_nvfp4).
+
+Each kind also reads its op's call back (`decode`): the typed `OpCall`
+record that op_call.py builds for any pt2e_fq node or call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from . import ops
+from .formats import ELEMENTS, FloatFormat, Format, IntFormat
+from .granularity import Granularity, PerGroup, PerTensor
+from .qparams import asymmetric_qparams, float_scale, minval_qparams, symmetric_qparams, two_level_global_scale
+from .schemes import Formulation, Scheme
+
+# Bits a stored fp32 qparam (scale, minval, global scale) takes.
+_FP32_BITS = 32
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """One call of a pt2e_fq op, by meaning. Values are whatever the caller
+    holds (tensors, FX nodes, ONNX values): x, the qparams given to the op
+    (None where the op has none or the kernel computes them), and the
+    constants: the integer range, the block size per dimension of x, the
+    block axis of MX / NVFP4 as the op was given it (may be negative)."""
+
+    op: Any
+    kind: "FormatKind"
+    format: Format
+    x: Any
+    block_size: tuple
+    scale: Any = None
+    zero_point: Any = None
+    minval: Any = None
+    global_scale: Any = None
+    quant_min: Optional[int] = None
+    quant_max: Optional[int] = None
+    axis: Optional[int] = None
+
+    @property
+    def qparams(self) -> dict[str, Any]:
+        """The qparam values the op was given, by name (None left out)."""
+        names = ("scale", "zero_point", "minval", "global_scale")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+    def applied_scale(self, outputs) -> torch.Tensor:
+        """The scale of each block as applied, given the op's outputs."""
+        return self.kind.applied_scale(self, outputs)
+
+    def stored_qparams(self, outputs) -> list[tuple[torch.Tensor, float]]:
+        """(tensor, bits per element) of each qparam a deployed point stores."""
+        return self.kind.stored_qparams(self, outputs)
+
+
+def _rank(x) -> int:
+    """The rank of a tensor, an FX node (its meta value) or an ONNX value."""
+    if isinstance(x, torch.fx.Node):
+        x = x.meta["val"]
+    return len(x.shape)
+
+
+class FormatKind:
+    """Base class; one instance per kind (module constants below)."""
+
+    name: str = ""
+    op_name: str = ""
+
+    @property
+    def op(self):
+        return getattr(torch.ops.pt2e_fq, self.op_name).default
+
+    def applies_to(self, fmt: Format) -> bool:
+        raise NotImplementedError
+
+    def check(self, spec) -> None:
+        """Raises ValueError where the QSpec's scheme, formulation,
+        granularity or observer do not suit this kind."""
+
+    def quant_range(self, spec) -> tuple[Optional[int], Optional[int]]:
+        return None, None
+
+    def range_granularity(self, spec) -> Granularity:
+        """The blocks the observer reduces over."""
+        return spec.granularity
+
+    def qparam_names(self, spec) -> tuple[str, ...]:
+        """The tensors a point stores (static) or computes (dynamic), in the
+        order the op takes them."""
+        raise NotImplementedError
+
+    def qparams_from_range(self, spec, lo: torch.Tensor, hi: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The qparams of `spec` for the per-block range [lo, hi], in fp32."""
+        return self._from_range(spec, lo.float(), hi.float())
+
+    def _from_range(self, spec, lo: torch.Tensor, hi: torch.Tensor) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def fake_quantize(self, spec, x: torch.Tensor, block_size, qparams: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode(self, op, values: dict) -> OpCall:
+        """The OpCall of this kind's op from its arguments by schema name."""
+        raise NotImplementedError
+
+    def applied_scale(self, call: OpCall, outputs):
+        return call.scale
+
+    def stored_qparams(self, call: OpCall, outputs) -> list[tuple[torch.Tensor, float]]:
+        return [(call.scale, _FP32_BITS)]
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _float_symmetric_only(spec) -> None:
+    if spec.formulation is Formulation.MINVAL:
+        raise ValueError(
+            "QSpec: formulation MINVAL needs an integer format and scheme ASYMMETRIC, "
+            f"got format {spec.format!r} and scheme {spec.scheme.name}"
+        )
+    if spec.scheme is not Scheme.SYMMETRIC:
+        raise ValueError(
+            f"QSpec: float format {spec.format.name} has no zero point; scheme must be SYMMETRIC, "
+            f"got {spec.scheme.name}"
+        )
+
+
+class _Integer(FormatKind):
+    name, op_name = "integer", "fake_quantize_affine"
+
+    def applies_to(self, fmt):
+        return isinstance(fmt, IntFormat)
+
+    def check(self, spec):
+        if spec.formulation is Formulation.MINVAL and spec.scheme is not Scheme.ASYMMETRIC:
+            raise ValueError(
+                "QSpec: formulation MINVAL needs an integer format and scheme ASYMMETRIC, "
+                f"got format {spec.format!r} and scheme {spec.scheme.name}"
+            )
+
+    def quant_range(self, spec):
+        return spec.format.quant_range(narrow=spec.scheme is Scheme.SYMMETRIC_NARROW)
+
+    def qparam_names(self, spec):
+        return ("scale", "minval") if spec.formulation is Formulation.MINVAL else ("scale", "zero_point")
+
+    def _from_range(self, spec, lo, hi):
+        qmin, qmax = self.quant_range(spec)
+        if spec.formulation is Formulation.MINVAL:
+            scale, minval = minval_qparams(lo, hi, qmin, qmax)
+            return {"scale": scale, "minval": minval}
+        calc = asymmetric_qparams if spec.scheme is Scheme.ASYMMETRIC else symmetric_qparams
+        scale, zero_point = calc(lo, hi, qmin, qmax)
+        return {"scale": scale, "zero_point": zero_point}
+
+    def fake_quantize(self, spec, x, block_size, qparams):
+        qmin, qmax = self.quant_range(spec)
+        return ops.fake_quantize_affine(
+            x, block_size, qparams["scale"], qparams.get("zero_point"), qmin, qmax, minval=qparams.get("minval")
+        )
+
+    def decode(self, op, values):
+        qmin, qmax = values["quant_min"], values["quant_max"]
+        return OpCall(op, self, IntFormat.holding(qmin, qmax), values["x"], tuple(values["block_size"]),
+                      scale=values["scale"], zero_point=values["zero_point"], minval=values.get("minval"),
+                      quant_min=qmin, quant_max=qmax)
+
+    def stored_qparams(self, call, outputs):
+        stored = [(call.scale, _FP32_BITS)]
+        if call.zero_point is not None:
+            stored.append((call.zero_point, call.format.bits))  # at the element width
+        if call.minval is not None:
+            stored.append((call.minval, _FP32_BITS))
+        return stored
+
+
+class _ScaledFloat(FormatKind):
+    name, op_name = "scaled float", "fake_quantize_float"
+
+    def applies_to(self, fmt):
+        return isinstance(fmt, FloatFormat) and not fmt.block_scaled
+
+    def check(self, spec):
+        _float_symmetric_only(spec)
+
+    def qparam_names(self, spec):
+        return ("scale",)
+
+    def _from_range(self, spec, lo, hi):
+        return {"scale": float_scale(lo, hi, spec.format.fmax)}
+
+    def fake_quantize(self, spec, x, block_size, qparams):
+        return ops.fake_quantize_float(x, block_size, qparams["scale"], spec.format.element.name)
+
+    def decode(self, op, values):
+        return OpCall(op, self, FloatFormat.of(values["fmt"]), values["x"], tuple(values["block_size"]),
+                      scale=values["scale"])
+
+
+class _BlockScaled(FormatKind):
+    """Shared by MX and NVFP4: blocks of the format's size along one axis."""
+
+    def applies_to(self, fmt):
+        return isinstance(fmt, FloatFormat) and fmt.block_scale == self.block_scale
+
+    def check(self, spec):
+        _float_symmetric_only(spec)
+        fmt, g = spec.format, spec.granularity
+        if not (isinstance(g, PerGroup) and g.group_size == fmt.scale_block):
+            raise ValueError(
+                f"QSpec: {fmt.name} scales blocks of {fmt.scale_block} along one axis; granularity "
+                f"must be PerGroup({fmt.scale_block}, axis), got {g!r}"
+            )
+
+    def _call(self, op, fmt, x, block: int, axis: int, **qparams) -> OpCall:
+        rank = _rank(x)
+        block_size = tuple(block if d == axis % rank else 1 for d in range(rank))
+        return OpCall(op, self, fmt, x, block_size, axis=axis, **qparams)
+
+
+class _MX(_BlockScaled):
+    name, op_name, block_scale = "MX", "fake_quantize_mx", "e8m0"
+
+    def check(self, spec):
+        super().check(spec)
+        if not spec.dynamic or spec.observer is not None:
+            raise ValueError(
+                f"QSpec: {spec.format.name} computes its block scales from the live tensor in the kernel; "
+                f"set dynamic=True and leave observer None, got dynamic={spec.dynamic}, observer={spec.observer!r}"
+            )
+
+    def qparam_names(self, spec):
+        return ()  # the kernel computes every scale from the live tensor
+
+    def _from_range(self, spec, lo, hi):
+        return {}
+
+    def fake_quantize(self, spec, x, block_size, qparams):
+        g = spec.granularity
+        return ops.fake_quantize_mx(x, spec.format.element.name, g.group_size, g.axis)
+
+    def decode(self, op, values):
+        # The op takes any block size (the record keeps it); the format is the element's MX one.
+        fmt = FloatFormat.of(values["elem_fmt"], self.block_scale)
+        return self._call(op, fmt, values["x"], values["block_size"], values["axis"])
+
+    def applied_scale(self, call, outputs):
+        return outputs[2]
+
+    def stored_qparams(self, call, outputs):
+        return [(outputs[2], 8)]  # one E8M0 byte per block
+
+
+class _NVFP4(_BlockScaled):
+    name, op_name, block_scale = "NVFP4", "fake_quantize_nvfp4", "e4m3"
+
+    def range_granularity(self, spec):
+        # The only observed qparam is the per-tensor global scale; the block
+        # scales come from the kernel.
+        return PerTensor()
+
+    def qparam_names(self, spec):
+        return () if spec.dynamic else ("global_scale",)
+
+    def _from_range(self, spec, lo, hi):
+        if spec.dynamic:
+            return {}
+        fmt = spec.format
+        return {"global_scale": two_level_global_scale(lo, hi, fmt.block_scale, fmt.element.name)}
+
+    def fake_quantize(self, spec, x, block_size, qparams):
+        return ops.fake_quantize_nvfp4(x, qparams.get("global_scale"), spec.granularity.axis)
+
+    def decode(self, op, values):
+        fmt = FloatFormat.of("e2m1", self.block_scale)
+        return self._call(op, fmt, values["x"], fmt.scale_block, values["axis"],
+                          global_scale=values["global_scale"])
+
+    def applied_scale(self, call, outputs):
+        return outputs[2] * outputs[3]  # block scale x global scale
+
+    def stored_qparams(self, call, outputs):
+        return [(outputs[2], ELEMENTS[self.block_scale].bits), (outputs[3], _FP32_BITS)]
+
+
+INTEGER = _Integer()
+SCALED_FLOAT = _ScaledFloat()
+MX = _MX()
+NVFP4 = _NVFP4()
+KINDS = (INTEGER, SCALED_FLOAT, MX, NVFP4)
+
+
+def kind_of(fmt: Format) -> FormatKind:
+    """The kind of a format."""
+    for kind in KINDS:
+        if kind.applies_to(fmt):
+            return kind
+    raise TypeError(f"no format kind handles {fmt!r}")
