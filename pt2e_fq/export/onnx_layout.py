@@ -23,8 +23,7 @@ import onnx_ir as ir
 import torch
 from onnxscript import opset21 as op
 
-from ..blocks import reduced_shape
-from ..reference import expand_blocks
+from ..blocks import expand_blocks, reduced_shape
 
 
 @dataclass(frozen=True)
