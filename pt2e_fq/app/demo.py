@@ -1,5 +1,5 @@
-"""`pt2e-fq demo`: the whole flow on a real data set, in about 15 seconds on
-a 2-core CPU.
+"""`pt2e-fq demo`: the whole flow on a real data set, in seconds on a CPU
+(measured: benchmarks/README.md).
 
 scikit-learn's 8x8 digits (shipped inside the package, no download) train a
 small CNN in float; PTQ with the w8a8 preset; QAT with w4a8 from the float

@@ -144,8 +144,8 @@ def convert(prepared: torch.nn.Module) -> torch.fx.GraphModule:
 
     When every point is one of ours, torchao's QAT conv-bn fold is skipped:
     it matches only torchao's own quantize/dequantize patterns, of which such
-    a graph has none, and builds 96 pattern graphs to find that out (about
-    16 s on 2 CPU cores). The graph is the one convert_pt2e gives (tested);
+    a graph has none, and builds 96 pattern graphs to find that out (its
+    cost: benchmarks/README.md). The graph is the one convert_pt2e gives (tested);
     folding batch norms is the export step's job."""
     points = [m for m in prepared.modules() if isinstance(m, (tao.ObserverBase, tao.FakeQuantizeBase))]
     if not all(isinstance(m, FakeQuantize) for m in points):
