@@ -1,8 +1,14 @@
 """Shared helpers for the op tests: the op and the reference side by side,
-NaN-aware bit-exact comparison, and Hypothesis strategies for op arguments.
+NaN-aware bit-exact comparison, Hypothesis strategies for op arguments, and
+the devices the kernels run on.
 
 Every expected value comes from `pt2e_fq.reference` (pure torch, independent
 of the kernels), from ATen, or from hand-computed numbers in the test itself.
+
+A test that runs the CUDA kernels carries the `requires_cuda_kernels` marker
+(a whole file through `pytestmark`, or the "cuda" case of `DEVICES`); where
+they cannot run it is skipped with the reason (`pytest -rs` prints it), and
+`pytest -m requires_cuda_kernels` selects every such test.
 """
 
 from __future__ import annotations
@@ -17,6 +23,58 @@ from hypothesis import strategies as st
 import pt2e_fq  # noqa: F401  (registers torch.ops.pt2e_fq)
 from pt2e_fq import ops, reference
 from pt2e_fq.blocks import reduced_shape
+
+# ---------------------------------------------------------------------------
+# Devices
+
+CUDA_OPS = ("fake_quantize_affine", "ste_grad", "fake_quantize_float", "fake_quantize_mx", "fake_quantize_nvfp4")
+
+requires_cuda_kernels = pytest.mark.requires_cuda_kernels
+
+# Every device the kernels are tested on: `@pytest.mark.parametrize("device",
+# DEVICES)`, the way pytorch/extension-cpp's tests run each test on "cpu" and
+# on "cuda" where the extension has CUDA kernels.
+DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda_kernels)]
+
+
+def cuda_kernels_missing() -> Optional[str]:
+    """Why the CUDA kernels cannot run here, or None where they can."""
+    if not torch.cuda.is_available():
+        return "no CUDA device: the CUDA kernels are tested on a GPU machine"
+    missing = [op for op in CUDA_OPS if not torch._C._dispatch_has_kernel_for_dispatch_key(f"pt2e_fq::{op}", "CUDA")]
+    if missing:
+        return (f"pt2e_fq was built without CUDA kernels (no CUDA kernel for {', '.join(missing)}): "
+                "rebuild with PT2E_FQ_CUDA=1")
+    return None
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "requires_cuda_kernels: runs pt2e_fq's CUDA kernels; skipped, with the reason, where there is "
+        "no CUDA device or pt2e_fq was built without them",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = cuda_kernels_missing()
+    if reason is None:
+        return
+    for item in items:
+        if item.get_closest_marker("requires_cuda_kernels") is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def to_device(args, device: str) -> tuple:
+    """args with every tensor on `device`, as a leaf that requires grad if
+    the original did."""
+    return tuple(
+        a.detach().to(device).requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args
+    )
+
+
+# ---------------------------------------------------------------------------
+# Op cases and comparisons
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
