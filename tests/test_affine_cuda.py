@@ -1,37 +1,16 @@
-"""The CUDA kernels against the same pure-torch reference (run on the CPU).
-Runs only where torch sees a CUDA device; elsewhere every test here is
-skipped with that reason."""
+"""fake_quantize_affine on CUDA only: no host sync, and qparams on another
+device than x named in the error. The CUDA kernels against the reference and
+the CUDA gradient run in test_affine_numerics and test_affine_autograd (their
+"cuda" cases). Every test here is marked requires_cuda_kernels: skipped, with
+the reason, where there is no CUDA device or no CUDA kernel."""
 
 import pytest
 import torch
-from hypothesis import given, settings
 
-from conftest import affine_cases, assert_bits_equal, make_case
+from conftest import make_case, requires_cuda_kernels
 from pt2e_fq import ops
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no CUDA device: the CUDA kernels are tested on a GPU machine"
-)
-
-
-@settings(max_examples=200, deadline=None)
-@given(affine_cases())
-def test_cuda_op_equals_reference(case):
-    y, packed = case.to("cuda").op()
-    y_ref, _, packed_ref = case.ref()
-    assert_bits_equal(y.cpu(), y_ref)
-    assert torch.equal(packed.cpu(), packed_ref)
-
-
-@settings(max_examples=50, deadline=None)
-@given(affine_cases(max_numel=5000))
-def test_cuda_grad_is_dy_where_in_range(case):
-    dy = torch.randn(case.x.shape).to(case.x.dtype)
-    _, mask, _ = case.ref()
-    gpu = case.to("cuda")
-    x = gpu.x.detach().requires_grad_()
-    ops.fake_quantize_affine(x, *gpu.args()[1:], minval=gpu.minval).backward(dy.cuda())
-    assert_bits_equal(x.grad.cpu(), torch.where(mask, dy, torch.zeros_like(dy)))
+pytestmark = requires_cuda_kernels
 
 
 def test_cuda_makes_no_host_sync(dtype):

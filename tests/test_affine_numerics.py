@@ -1,36 +1,42 @@
 """Forward numerics of pt2e_fq.fake_quantize_affine: bit for bit equal to the
 pure-torch reference, hand-checked ties and special values, and where ATen's
-fake-quant differs from true division."""
+fake-quant differs from true division. The comparisons with the reference
+run on every device in DEVICES (the reference on the CPU)."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 
-from conftest import QUANT_RANGES, affine_cases, assert_bits_equal, make_case
+from conftest import DEVICES, QUANT_RANGES, affine_cases, assert_bits_equal, make_case
 from pt2e_fq import ops, reference
 
 
-def assert_matches_reference(case):
-    y, packed = case.op()
+def assert_matches_reference(case, device="cpu"):
+    """The op on `device` against the reference on the CPU."""
+    y, packed = case.to(device).op()
     y_ref, _, packed_ref = case.ref()
-    assert_bits_equal(y, y_ref)
-    assert torch.equal(packed, packed_ref), "packed mask differs"
+    assert y.device.type == device
+    assert_bits_equal(y.cpu(), y_ref)
+    assert torch.equal(packed.cpu(), packed_ref), "packed mask differs"
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @settings(max_examples=200, deadline=None)
 @given(affine_cases())
-def test_op_equals_reference(case):
-    assert_matches_reference(case)
+def test_op_equals_reference(device, case):
+    assert_matches_reference(case, device)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name,qmin,qmax", QUANT_RANGES, ids=[r[0] for r in QUANT_RANGES])
 @pytest.mark.parametrize("zp", ["random", "none", "minval"])
-def test_every_quant_range_and_formulation(name, qmin, qmax, zp, dtype):
+def test_every_quant_range_and_formulation(name, qmin, qmax, zp, dtype, device):
     # Per-group along the last dim with a ragged last group, as a fixed
     # baseline next to the random search.
-    assert_matches_reference(make_case((7, 45), (1, 16), dtype, (qmin, qmax), zp=zp, seed=qmax))
+    assert_matches_reference(make_case((7, 45), (1, 16), dtype, (qmin, qmax), zp=zp, seed=qmax), device)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "shape,block_size",
     [
@@ -43,8 +49,8 @@ def test_every_quant_range_and_formulation(name, qmin, qmax, zp, dtype):
         ((1, 1, 1), (1, 1, 1)),  # size-1 dims only
     ],
 )
-def test_granularities(shape, block_size, dtype):
-    assert_matches_reference(make_case(shape, block_size, dtype))
+def test_granularities(shape, block_size, dtype, device):
+    assert_matches_reference(make_case(shape, block_size, dtype), device)
 
 
 def test_ties_round_half_to_even(dtype):
@@ -102,13 +108,14 @@ def test_nan_and_inf(zero_point, minval, qrange, y_inf, y_minus_inf, dtype):
     assert packed.tolist() == [0b1000]  # only element 3 is in range
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", [(0,), (0, 4), (3, 0), (2, 0, 5), (), (1,), (1, 1)])
-def test_empty_and_single_element(shape, dtype):
+def test_empty_and_single_element(shape, dtype, device):
     block_size = [1] * len(shape)
     case = make_case(shape, block_size, dtype)
-    y, packed = case.op()
+    y, packed = case.to(device).op()
     assert y.shape == torch.Size(shape) and packed.numel() == (case.x.numel() + 7) // 8
-    assert_matches_reference(case)
+    assert_matches_reference(case, device)
 
 
 def test_output_dtype_and_layout(dtype):

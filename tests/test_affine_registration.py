@@ -1,13 +1,13 @@
-"""The op as PT2 sees it: opcheck on every variant, one node through
-torch.export (re-export, run_decompositions, save/load, a dynamic batch
-dimension) and no graph break under torch.compile."""
+"""The op as PT2 sees it: opcheck on every variant and device, one node
+through torch.export (re-export, run_decompositions, save/load, a dynamic
+batch dimension) and no graph break under torch.compile."""
 
 import io
 
 import pytest
 import torch
 
-from conftest import FLOAT_DTYPES, assert_bits_equal, make_case
+from conftest import DEVICES, FLOAT_DTYPES, assert_bits_equal, make_case, to_device
 from pt2e_fq import ops, reference
 
 FQ_OP = torch.ops.pt2e_fq.fake_quantize_affine.default
@@ -23,6 +23,8 @@ VARIANTS = [
     ("per_group_ragged", (5, 70), (1, 32), "random"),
     ("minval", (6, 40), (1, 8), "minval"),
     ("zero_point_none", (6, 40), (2, 8), "none"),
+    ("ragged_blocks_minval", (7, 45), (3, 16), "minval"),
+    ("per_tensor_zero_point_none", (6, 10), (6, 10), "none"),
 ]
 
 
@@ -43,18 +45,20 @@ def op_args(case):
     return (*case.args(), case.minval)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("variant,dtype", variant_params())
-def test_opcheck_fake_quantize_affine(variant, dtype):
-    case = variant_case(variant, dtype)
+def test_opcheck_fake_quantize_affine(variant, dtype, device):
+    case = variant_case(variant, dtype).to(device)
     case.x.requires_grad_()
     torch.library.opcheck(FQ_OP, op_args(case))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
-def test_opcheck_ste_grad(dtype):
+def test_opcheck_ste_grad(dtype, device):
     mask = torch.rand(5, 13) < 0.5
     grad = torch.randn(5, 13).to(dtype)
-    torch.library.opcheck(torch.ops.pt2e_fq.ste_grad.default, (grad, reference.pack_mask(mask)))
+    torch.library.opcheck(torch.ops.pt2e_fq.ste_grad.default, to_device((grad, reference.pack_mask(mask)), device))
 
 
 class FakeQuant(torch.nn.Module):
