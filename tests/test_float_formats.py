@@ -1,6 +1,8 @@
 """Float-format ops (static-scale FP8/FP4, MX, NVFP4) against the pure-torch
 reference written from the specs, against values computed by hand from the
-OCP MX v1.0 and NVFP4 definitions, and against torchao's MX / NVFP4 code."""
+OCP MX v1.0 and NVFP4 definitions, and against torchao's MX / NVFP4 code.
+The comparisons with the reference run on every device in DEVICES (the
+reference on the CPU)."""
 
 import math
 
@@ -10,11 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pt2e_fq  # noqa: F401
+from conftest import DEVICES
 from pt2e_fq import reference as ref
 from pt2e_fq.blocks import reduced_shape
-from pt2e_fq.ops import _ELEM_FORMATS, unpack_mask
+from pt2e_fq.formats import ELEMENTS
+from pt2e_fq.ops import unpack_mask
 
-ELEM_DTYPES = list(_ELEM_FORMATS)
+ELEMENT_NAME = {e.torch_dtype: e.name for e in ELEMENTS.values()}  # the ops take the name
+ELEM_DTYPES = list(ELEMENT_NAME)
 X_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SPECIALS = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-42]
 FEW = settings(max_examples=40, deadline=None)
@@ -26,13 +31,22 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(t), torch.full_like(t, float("nan")), t).view(torch.int32)
 
 
-def mx_op(x, dtype, block_size=32, axis=-1):
-    y, mask, scales = torch.ops.pt2e_fq.fake_quantize_mx(x, _ELEM_FORMATS[dtype], block_size, axis)
+def on_cpu(outputs, device):
+    """The op's outputs, computed on `device`, on the CPU."""
+    assert all(t.device.type == device for t in outputs)
+    return tuple(t.cpu() for t in outputs)
+
+
+def mx_op(x, dtype, block_size=32, axis=-1, device="cpu"):
+    y, mask, scales = on_cpu(
+        torch.ops.pt2e_fq.fake_quantize_mx(x.to(device), ELEMENT_NAME[dtype], block_size, axis), device
+    )
     return y, unpack_mask(mask, x.shape), scales
 
 
-def nvfp4_op(x, global_scale=None, axis=-1):
-    y, mask, scales, g = torch.ops.pt2e_fq.fake_quantize_nvfp4(x, global_scale, axis)
+def nvfp4_op(x, global_scale=None, axis=-1, device="cpu"):
+    g = None if global_scale is None else global_scale.to(device)
+    y, mask, scales, g = on_cpu(torch.ops.pt2e_fq.fake_quantize_nvfp4(x.to(device), g, axis), device)
     return y, unpack_mask(mask, x.shape), scales, g
 
 
@@ -61,29 +75,34 @@ def tensors(draw, max_dims=3, max_size=40):
     return x.to(dtype)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @FEW
 @given(x=tensors(), dtype=st.sampled_from(ELEM_DTYPES), data=st.data())
-def test_static_float_op_equals_reference(x, dtype, data):
+def test_static_float_op_equals_reference(x, dtype, data, device):
     block = [data.draw(st.sampled_from([1, s, data.draw(st.integers(1, s))])) for s in x.shape]
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
     scale = torch.rand(reduced_shape(x.shape, block), generator=g) * 10 ** data.draw(st.integers(-3, 3)) + 1e-6
-    y, mask = torch.ops.pt2e_fq.fake_quantize_float(x, block, scale, _ELEM_FORMATS[dtype])
+    y, mask = on_cpu(
+        torch.ops.pt2e_fq.fake_quantize_float(x.to(device), block, scale.to(device), ELEMENT_NAME[dtype]), device
+    )
     assert_same((y, unpack_mask(mask, x.shape)), ref.fake_quantize_float(x, block, scale, dtype))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @FEW
 @given(x=tensors(), dtype=st.sampled_from(ELEM_DTYPES), block_size=st.sampled_from([1, 3, 16, 32, 33]), data=st.data())
-def test_mx_op_equals_reference(x, dtype, block_size, data):
+def test_mx_op_equals_reference(x, dtype, block_size, data, device):
     axis = data.draw(st.integers(-x.dim(), x.dim() - 1))
-    assert_same(mx_op(x, dtype, block_size, axis), ref.fake_quantize_mx(x, dtype, block_size, axis))
+    assert_same(mx_op(x, dtype, block_size, axis, device), ref.fake_quantize_mx(x, dtype, block_size, axis))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @FEW
 @given(x=tensors(), given_scale=st.sampled_from([None, 1.0, 1e-3, 37.5]), data=st.data())
-def test_nvfp4_op_equals_reference(x, given_scale, data):
+def test_nvfp4_op_equals_reference(x, given_scale, data, device):
     axis = data.draw(st.integers(-x.dim(), x.dim() - 1))
     g = None if given_scale is None else torch.tensor(given_scale)
-    assert_same(nvfp4_op(x, g, axis), ref.fake_quantize_nvfp4(x, g, axis))
+    assert_same(nvfp4_op(x, g, axis, device), ref.fake_quantize_nvfp4(x, g, axis))
 
 
 def test_non_contiguous_input_gives_the_contiguous_result():

@@ -1,7 +1,8 @@
 """The float-format ops as PT2 operators: opcheck, one node through
 torch.export (re-export, decompositions, save/load), torch.compile with no
 graph break, the straight-through gradient, the bytes saved for backward,
-and the argument errors."""
+and the argument errors. Opcheck and the gradient tests run on every device
+in DEVICES."""
 
 import io
 
@@ -9,26 +10,28 @@ import pytest
 import torch
 
 import pt2e_fq
+from conftest import DEVICES, requires_cuda_kernels, to_device
 from pt2e_fq import ops
 from pt2e_fq import reference as ref
 
 E4M3, E5M2, E2M1 = torch.float8_e4m3fn, torch.float8_e5m2, torch.float4_e2m1fn_x2
 
 
-def variants():
-    """name -> fn(x) -> y, for every kind of call (x of shape 37 x 40)."""
+def variants(device="cpu"):
+    """name -> fn(x) -> y, for every kind of call (x of shape 37 x 40 on `device`)."""
     g = torch.Generator().manual_seed(1)
-    per_channel = torch.rand(37, generator=g) + 0.01
-    per_block = torch.rand(13, 5, generator=g) + 0.1  # blocks of 3 x 8, ragged rows
+    per_channel = (torch.rand(37, generator=g) + 0.01).to(device)
+    per_block = (torch.rand(13, 5, generator=g) + 0.1).to(device)  # blocks of 3 x 8, ragged rows
+    per_tensor, global_scale = torch.tensor(0.02, device=device), torch.tensor(0.003, device=device)
     return {
-        "float_per_tensor_e4m3": lambda x: ops.fake_quantize_float(x, list(x.shape), torch.tensor(0.02), E4M3),
+        "float_per_tensor_e4m3": lambda x: ops.fake_quantize_float(x, list(x.shape), per_tensor, E4M3),
         "float_per_channel_e5m2": lambda x: ops.fake_quantize_float(x, [1, 40], per_channel, E5M2),
         "float_per_block_e2m1": lambda x: ops.fake_quantize_float(x, [3, 8], per_block, E2M1),
         "mxfp8_axis_last": lambda x: ops.fake_quantize_mx(x, E4M3),
         "mxfp8_e5m2_axis0": lambda x: ops.fake_quantize_mx(x, E5M2, 32, 0),
         "mxfp4_ragged": lambda x: ops.fake_quantize_mx(x, E2M1, 12, -1),
         "nvfp4_auto": lambda x: ops.fake_quantize_nvfp4(x),
-        "nvfp4_given_axis0": lambda x: ops.fake_quantize_nvfp4(x, torch.tensor(0.003), axis=0),
+        "nvfp4_given_axis0": lambda x: ops.fake_quantize_nvfp4(x, global_scale, axis=0),
     }
 
 
@@ -41,23 +44,33 @@ def sample(dtype=torch.float32):
 
 
 def op_calls():
-    """(op overload, args) pairs covering every op, format and dtype."""
+    """pytest params (op overload, args) covering every op, format and dtype."""
+    fq_float, fq_mx = torch.ops.pt2e_fq.fake_quantize_float.default, torch.ops.pt2e_fq.fake_quantize_mx.default
+    fq_nvfp4 = torch.ops.pt2e_fq.fake_quantize_nvfp4.default
     calls = []
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         x = sample(dtype).requires_grad_()
+        d = str(dtype).removeprefix("torch.")
         for fmt in ("e4m3", "e5m2", "e2m1"):
-            calls.append((torch.ops.pt2e_fq.fake_quantize_float.default, (x, [1, 40], torch.linspace(0.01, 1, 37), fmt)))
-            calls.append((torch.ops.pt2e_fq.fake_quantize_float.default, (x, [5, 8], torch.rand(8, 5) + 0.1, fmt)))
-            calls.append((torch.ops.pt2e_fq.fake_quantize_mx.default, (x, fmt, 32, 0)))
-            calls.append((torch.ops.pt2e_fq.fake_quantize_mx.default, (x, fmt, 32, -1)))  # ragged
-        calls.append((torch.ops.pt2e_fq.fake_quantize_nvfp4.default, (x, None, -1)))
-        calls.append((torch.ops.pt2e_fq.fake_quantize_nvfp4.default, (x, torch.tensor(0.01), 0)))
+            calls += [
+                pytest.param(fq_float, (x, [37, 40], torch.tensor(0.3), fmt), id=f"float_per_tensor_{fmt}-{d}"),
+                pytest.param(fq_float, (x, [1, 40], torch.linspace(0.01, 1, 37), fmt), id=f"float_per_channel_{fmt}-{d}"),
+                pytest.param(fq_float, (x, [5, 8], torch.rand(8, 5) + 0.1, fmt), id=f"float_per_block_{fmt}-{d}"),
+                pytest.param(fq_mx, (x, fmt, 32, 0), id=f"mx_{fmt}_axis0-{d}"),
+                pytest.param(fq_mx, (x, fmt, 32, -1), id=f"mx_{fmt}_ragged-{d}"),
+            ]
+        calls += [
+            pytest.param(fq_nvfp4, (x, None, -1), id=f"nvfp4_computed-{d}"),
+            pytest.param(fq_nvfp4, (x, torch.tensor(0.01), 0), id=f"nvfp4_given_axis0-{d}"),
+            pytest.param(fq_nvfp4, (x, torch.tensor(0.01), -1), id=f"nvfp4_given-{d}"),
+        ]
     return calls
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("op, args", op_calls())
-def test_opcheck(op, args):
-    torch.library.opcheck(op, args)
+def test_opcheck(op, args, device):
+    torch.library.opcheck(op, to_device(args, device))
 
 
 class Wrap(torch.nn.Module):
@@ -123,20 +136,24 @@ def reference_mask(name, x):
     return ref.fake_quantize_nvfp4(x)[1]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["float_per_tensor_e4m3", "mxfp4_ragged", "nvfp4_auto"])
-def test_gradient_is_dy_through_the_mask_and_nan_dy_at_clamped_positions_gives_zero(name):
-    x = (sample() * 300).requires_grad_()  # enough saturation in every variant
+def test_gradient_is_dy_through_the_mask_and_nan_dy_at_clamped_positions_gives_zero(name, device):
+    x = sample() * 300  # enough saturation in every variant
     mask = reference_mask(name, x)
     assert 0 < int(mask.sum()) < mask.numel()
     dy = torch.randn(x.shape)
     dy[~mask] = float("nan")
-    (grad,) = torch.autograd.grad(VARIANTS[name](x), x, dy)
-    assert torch.equal(grad, torch.where(mask, dy, torch.zeros_like(dy)))
+    xd = x.to(device).requires_grad_()
+    (grad,) = torch.autograd.grad(variants(device)[name](xd), xd, dy.to(device))
+    assert grad.device.type == device
+    assert torch.equal(grad.cpu(), torch.where(mask, dy, torch.zeros_like(dy)))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_backward_saves_only_the_packed_mask(name):
-    x = sample().requires_grad_()
+def test_backward_saves_only_the_packed_mask(name, device):
+    x = sample().to(device).requires_grad_()
     saved = []
 
     def pack(t):
@@ -144,8 +161,8 @@ def test_backward_saves_only_the_packed_mask(name):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = VARIANTS[name](x)
-    assert [t.dtype for t in saved] == [torch.uint8]
+        y = variants(device)[name](x)
+    assert [(t.dtype, t.device.type) for t in saved] == [(torch.uint8, device)]
     assert sum(t.numel() * t.element_size() for t in saved) == (x.numel() + 7) // 8
     y.sum().backward()
 
@@ -168,8 +185,9 @@ def test_public_functions_are_exported_from_the_package():
 @pytest.mark.parametrize(
     "call, error, message",
     [
-        (lambda x: ops.fake_quantize_float(x, [37, 40], torch.tensor(1.0), torch.int8), ValueError, "dtype must be one of torch.float8_e4m3fn, torch.float8_e5m2, torch.float4_e2m1fn_x2"),
-        (lambda x: ops.fake_quantize_float(x, [37, 40], torch.tensor(1.0), "e4m3"), TypeError, "dtype must be a torch.dtype"),
+        (lambda x: ops.fake_quantize_float(x, [37, 40], torch.tensor(1.0), torch.int8), ValueError, "dtype must be one of 'e4m3' / torch.float8_e4m3fn, 'e5m2' / torch.float8_e5m2, 'e2m1' / torch.float4_e2m1fn_x2; got torch.int8"),
+        (lambda x: ops.fake_quantize_float(x, [37, 40], torch.tensor(1.0), "fp8"), ValueError, "dtype must be one of 'e4m3' / torch.float8_e4m3fn"),
+        (lambda x: ops.fake_quantize_float(x, [37, 40], torch.tensor(1.0), 8), TypeError, "dtype must be an element name or a torch.dtype"),
         (lambda x: ops.fake_quantize_float(x, [37], torch.tensor(1.0), E4M3), ValueError, "block_size needs one entry per dimension"),
         (lambda x: ops.fake_quantize_float(x, [0, 40], torch.tensor(1.0), E4M3), ValueError, "block_size[0] must be >= 1"),
         (lambda x: ops.fake_quantize_float(x, [1, 40], torch.ones(36), E4M3), ValueError, "scale must have shape"),
@@ -209,13 +227,7 @@ def test_direct_op_calls_are_checked_in_cpp(call, message):
     assert message in str(info.value)
 
 
-def cuda_available() -> bool:
-    return torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispatch_key(
-        "pt2e_fq::fake_quantize_mx", "CUDA"
-    )
-
-
-@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device (and pt2e_fq built with CUDA)")
+@requires_cuda_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cuda_ops_equal_the_cpu_ops_bit_for_bit(dtype):
     g = torch.Generator().manual_seed(3)
