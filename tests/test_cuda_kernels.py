@@ -1,12 +1,14 @@
 """The CUDA kernels on a GPU: bit for bit equal to the CPU kernels for every
-op variant, dtype and memory layout, through opcheck, torch.compile, a
-tensor over 2^31 elements, and with no host sync in the ops or a QAT step.
+op variant, dtype and memory layout, through torch.compile, a tensor over
+2^31 elements, and with no host sync in the ops or a QAT step.
 
-The CPU kernels are checked against the pure-torch reference elsewhere
-(test_affine_numerics, test_float_formats); here each CUDA result is compared
-with the CPU kernel's result for the same inputs: y, the packed mask, the
-block scales, and the gradient. Without a GPU (or with pt2e_fq built without
-CUDA) every test here is skipped with that reason.
+Each CUDA result here is compared with the CPU kernel's result for the same
+inputs: y, the packed mask, the block scales, and the gradient. The tests
+that run on every device (opcheck, the pure-torch reference, autograd) are
+parametrized by DEVICES in test_affine_registration, test_affine_numerics,
+test_affine_autograd, test_float_formats and test_float_ops_pt2. Every test
+here is marked requires_cuda_kernels: without a GPU, or with pt2e_fq built
+without its CUDA kernels, it is skipped with that reason.
 """
 
 from __future__ import annotations
@@ -18,21 +20,10 @@ from kernel_cases import (
     gradient_seed, param_grid, with_specials,
 )
 
-from conftest import FLOAT_DTYPES, assert_bits_equal, make_case
+from conftest import FLOAT_DTYPES, assert_bits_equal, make_case, requires_cuda_kernels
 from pt2e_fq import ops, reference
 
-
-def _cuda_kernels_registered() -> bool:
-    return torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispatch_key(
-        "pt2e_fq::fake_quantize_affine", "CUDA"
-    )
-
-
-pytestmark = pytest.mark.skipif(
-    not _cuda_kernels_registered(),
-    reason="no CUDA device, or pt2e_fq built without its CUDA kernels (PT2E_FQ_CUDA=1): "
-    "the CUDA kernels are tested on a GPU machine",
-)
+pytestmark = requires_cuda_kernels
 
 # ---------------------------------------------------------------------------
 # Memory layouts of x. The op makes x contiguous (a copy for a non-contiguous
@@ -191,11 +182,10 @@ def _free_gpu_bytes() -> int:
 BIG_ROWS, BIG_COLS = 2**16 + 3, 2**15  # 2^31 + 3 * 2^15 elements
 
 
-@pytest.mark.skipif(
-    torch.cuda.is_available() and _free_gpu_bytes() < 40 * 2**30,
-    reason="needs 40 GiB of free GPU memory for a tensor of over 2^31 fp16 elements",
-)
 def test_over_2_pow_31_elements_equals_cpu():
+    torch.cuda.empty_cache()  # what earlier tests left in the caching allocator is free for this one
+    if _free_gpu_bytes() < 40 * 2**30:
+        pytest.skip("needs 40 GiB of free GPU memory for a tensor of over 2^31 fp16 elements")
     x = torch.randn(BIG_ROWS, BIG_COLS, device="cuda", dtype=torch.float16) * 3
     assert x.numel() > 2**31
     x_cpu = x.cpu()
@@ -235,47 +225,7 @@ def test_over_2_pow_31_elements_equals_cpu():
 
 
 # ---------------------------------------------------------------------------
-# The op as PT2 sees it, on CUDA.
-
-OPCHECK_CALLS = [
-    ("affine_per_channel_zp", lambda d: (torch.ops.pt2e_fq.fake_quantize_affine.default, _affine_args((6, 40), (1, 40), "random", d))),
-    ("affine_ragged_minval", lambda d: (torch.ops.pt2e_fq.fake_quantize_affine.default, _affine_args((7, 45), (3, 16), "minval", d))),
-    ("affine_per_tensor_no_zp", lambda d: (torch.ops.pt2e_fq.fake_quantize_affine.default, _affine_args((6, 10), (6, 10), "none", d))),
-    ("float_e4m3_per_channel", lambda d: (torch.ops.pt2e_fq.fake_quantize_float.default,
-                                          (_x((6, 40), d), [1, 40], torch.rand(6, 1) + 0.1, "e4m3"))),
-    ("float_e2m1_per_tensor", lambda d: (torch.ops.pt2e_fq.fake_quantize_float.default,
-                                         (_x((6, 40), d), [6, 40], torch.tensor(0.3), "e2m1"))),
-    ("mx_e4m3", lambda d: (torch.ops.pt2e_fq.fake_quantize_mx.default, (_x((6, 70), d), "e4m3", 32, -1))),
-    ("mx_e2m1_axis0", lambda d: (torch.ops.pt2e_fq.fake_quantize_mx.default, (_x((70, 6), d), "e2m1", 32, 0))),
-    ("nvfp4_computed", lambda d: (torch.ops.pt2e_fq.fake_quantize_nvfp4.default, (_x((6, 40), d), None, -1))),
-    ("nvfp4_given", lambda d: (torch.ops.pt2e_fq.fake_quantize_nvfp4.default, (_x((6, 40), d), torch.tensor(0.01), -1))),
-]
-
-
-def _x(shape, dtype):
-    return (torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 5).to(dtype)
-
-
-def _affine_args(shape, block, zp, dtype):
-    case = make_case(shape, block, dtype, (-8, 7), zp=zp)
-    return (*case.args(), case.minval)
-
-
-@pytest.mark.parametrize(
-    "call,dtype",
-    [pytest.param(c, d, id=f"{c[0]}-{dtype_id(d)}") for c in OPCHECK_CALLS for d in FLOAT_DTYPES],
-)
-def test_opcheck_on_cuda(call, dtype):
-    op, args = call[1](dtype)
-    args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
-    args[0].requires_grad_()
-    torch.library.opcheck(op, tuple(args))
-
-
-def test_opcheck_ste_grad_on_cuda(dtype):
-    mask = torch.rand(5, 13) < 0.5
-    grad = torch.randn(5, 13).to(dtype)
-    torch.library.opcheck(torch.ops.pt2e_fq.ste_grad.default, (grad.cuda(), reference.pack_mask(mask).cuda()))
+# torch.compile on CUDA: inductor's Triton kernels around the op.
 
 
 class _Surrounded(torch.nn.Module):
