@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torchao.quantization.pt2e as tao
+from conftest import requires_cuda_kernels
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import pt2e_fq as q
@@ -210,7 +211,7 @@ def test_casting_the_model_keeps_qparams_fp32_and_exact():
     assert model[0].scale.device.type == "meta" and model[0].scale.dtype == torch.float32
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (and pt2e_fq built with CUDA)")
+@requires_cuda_kernels
 def test_a_module_moved_to_cuda_gives_the_cpu_result():
     fq = _calibrated(q.QSpec(q.INT8, q.PerChannel(0), "asymmetric"), randn(4, 8) * 3)
     fq.disable_observer()
