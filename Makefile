@@ -54,7 +54,7 @@ cuda-check: $(STAMP)
 	for f in $$(find pt2e_fq/csrc/cuda -name '*.cpp'); do \
 	  echo "c++ -fsyntax-only $$f"; \
 	  $(CXX) -std=c++20 -fsyntax-only -I$$stub $$flags -I$(CUDA_HOME)/include \
-	    -Ipt2e_fq/csrc/include -Ipt2e_fq/csrc/cpu $$f || exit 1; \
+	    -Ipt2e_fq/csrc/include -Ipt2e_fq/csrc/common $$f || exit 1; \
 	done; rm -rf $$stub
 
 clean:

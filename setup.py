@@ -30,23 +30,32 @@ def want_cuda() -> bool:
 
 
 def extension():
-    sources = sorted(glob.glob(os.path.join(CSRC, "cpu", "*.cpp")))
+    # common/: the schemas, and the argument checks both builds share.
+    sources = sorted(glob.glob(os.path.join(CSRC, "common", "*.cpp")))
+    sources += sorted(glob.glob(os.path.join(CSRC, "cpu", "*.cpp")))
     # No FMA contraction: every kernel rounds exactly as the reference does.
     cxx = ["-O3", "-ffp-contract=off", "-fopenmp", "-fno-math-errno"]
     kwargs = dict(
-        include_dirs=[os.path.join(HERE, CSRC, "include"), os.path.join(HERE, CSRC, "cpu")],
+        include_dirs=[os.path.join(HERE, CSRC, "include"), os.path.join(HERE, CSRC, "common")],
         extra_compile_args={"cxx": cxx},
+        # _C uses only the stable ABI of CPython 3.10 (no pybind11, no
+        # libtorch_python: the ops register through the dispatcher), so one
+        # module, _C.abi3.so, serves every CPython from 3.10 on.
+        # BuildExtension defines the same Py_LIMITED_API; said here, it stays
+        # in step with the cp310 wheel tag below.
+        py_limited_api=True,
+        define_macros=[("Py_LIMITED_API", "0x030A0000")],
     )
     if not want_cuda():
         return CppExtension("pt2e_fq._C", sources, **kwargs)
     sources += sorted(glob.glob(os.path.join(CSRC, "cuda", "*.cu")))
     sources += sorted(glob.glob(os.path.join(CSRC, "cuda", "*.cpp")))
     kwargs["extra_compile_args"]["nvcc"] = ["-O3", "--fmad=false"]
-    kwargs["define_macros"] = [("PT2E_FQ_WITH_CUDA", "1")]
     return CUDAExtension("pt2e_fq._C", sources, **kwargs)
 
 
 setup(
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    options={"bdist_wheel": {"py_limited_api": "cp310"}},
 )

@@ -1,5 +1,8 @@
 #include "float_args.h"
 
+#include "float_dtype.h"
+#include "qparams.h"
+
 namespace pt2e_fq {
 
 ElemFormat parse_elem_format(const char* op, const char* what, const std::string& name) {
@@ -12,9 +15,7 @@ ElemFormat parse_elem_format(const char* op, const char* what, const std::string
 
 AxisBlocks check_axis_blocks(const char* op, const at::Tensor& x, int64_t block_size,
                              int64_t axis) {
-  const auto dt = x.scalar_type();
-  TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, op,
-                   ": x must be float32, bfloat16 or float16, got ", dt);
+  check_float_dtype(op, "x", x);
   const int64_t ndim = x.dim();
   TORCH_CHECK_VALUE(ndim >= 1, op, ": x must have at least one dimension, got a 0-dim tensor");
   TORCH_CHECK_VALUE(axis >= -ndim && axis < ndim, op, ": axis must be in [", -ndim, ", ", ndim,
@@ -28,6 +29,15 @@ std::vector<int64_t> block_scale_shape(const at::Tensor& x, int64_t axis, const 
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape[axis < 0 ? axis + x.dim() : axis] = A.blocks_per_axis();
   return shape;
+}
+
+BlockOutputs new_block_outputs(const at::Tensor& x_in, int64_t axis, const AxisBlocks& A) {
+  BlockOutputs o;
+  o.x = x_in.contiguous();
+  o.y = at::empty_like(o.x, at::MemoryFormat::Contiguous);
+  o.mask = new_packed_mask(o.x).zero_();
+  o.scales = at::empty(block_scale_shape(o.x, axis, A), o.x.options().dtype(at::kFloat));
+  return o;
 }
 
 }  // namespace pt2e_fq

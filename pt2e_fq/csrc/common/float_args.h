@@ -1,5 +1,6 @@
-// Argument checks of the float-format ops, shared by their CPU and CUDA entry
-// points (the Python wrappers check the same with friendlier messages).
+// Argument checks and output allocation of the float-format ops, shared by
+// their CPU and CUDA entry points (the Python wrappers check the same with
+// friendlier messages).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -22,5 +23,14 @@ AxisBlocks check_axis_blocks(const char* op, const at::Tensor& x, int64_t block_
 
 // x.shape with the axis replaced by the number of blocks along it.
 std::vector<int64_t> block_scale_shape(const at::Tensor& x, int64_t axis, const AxisBlocks& A);
+
+// The tensors of the block-scaled ops (MX, NVFP4): contiguous x, and y, a
+// zeroed mask (the CPU and CUDA kernels OR bits into it) and the fp32 block
+// scales of block_scale_shape, allocated.
+struct BlockOutputs {
+  at::Tensor x, y, mask, scales;
+};
+
+BlockOutputs new_block_outputs(const at::Tensor& x_in, int64_t axis, const AxisBlocks& A);
 
 }  // namespace pt2e_fq

@@ -2,6 +2,7 @@
 
 #include <limits>
 
+#include "float_dtype.h"
 #include "pt2e_fq/mask_bits.h"
 
 namespace pt2e_fq {
@@ -19,9 +20,7 @@ int64_t num_blocks(const BlockLayout& L) {
 
 BlockLayout check_x_and_block_size(const char* op, const at::Tensor& x,
                                    at::IntArrayRef block_size) {
-  const auto dt = x.scalar_type();
-  TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, op,
-                   ": x must be float32, bfloat16 or float16, got ", dt);
+  check_float_dtype(op, "x", x);
   TORCH_CHECK_VALUE(static_cast<int64_t>(block_size.size()) == x.dim(), op,
                     ": block_size needs one entry per dimension of x (", x.dim(), "), got ",
                     block_size.size());
@@ -105,9 +104,7 @@ void check_ste_args(const at::Tensor& grad, const at::Tensor& mask) {
                     packed_mask_bytes(grad.numel()), " bytes, got shape ", mask.sizes());
   TORCH_CHECK(mask.device() == grad.device(), "pt2e_fq.ste_grad: mask is on ", mask.device(),
               " but grad is on ", grad.device());
-  const auto dt = grad.scalar_type();
-  TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
-                   "pt2e_fq.ste_grad: grad must be float32, bfloat16 or float16, got ", dt);
+  check_float_dtype("pt2e_fq.ste_grad", "grad", grad);
 }
 
 }  // namespace pt2e_fq

@@ -1,10 +1,12 @@
-// Operator schemas of the pt2e_fq library and the Python module stub that
-// loads them (`import pt2e_fq._C`).
+// Every operator schema of the pt2e_fq library, and the Python module stub
+// that loads them (`import pt2e_fq._C`). The CPU and CUDA implementations
+// register in cpu/ and cuda/ (TORCH_LIBRARY_IMPL).
 #include <Python.h>
 #include <torch/library.h>
 
 extern "C" {
 // An empty module: importing it runs the static TORCH_LIBRARY registrations.
+// Limited API only (PyModule_Create), so _C is one abi3 module for CPython 3.10+.
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
   return PyModule_Create(&module_def);
@@ -18,4 +20,25 @@ TORCH_LIBRARY(pt2e_fq, m) {
       "int quant_min, int quant_max, Tensor? minval=None) -> (Tensor, Tensor)");
   // Straight-through estimator: grad where the packed mask bit is set, else 0.
   m.def("ste_grad(Tensor grad, Tensor mask) -> Tensor");
+
+  // The float-format ops (FP8, FP4, MX, NVFP4). Element formats are named by
+  // strings ("e4m3", "e5m2", "e2m1") rather than ScalarType:
+  // torch.export.save cannot serialize torch.float4_e2m1fn_x2.
+
+  // Static scales of shape ceil(x.shape / block_size). Returns (y, packed mask).
+  m.def(
+      "fake_quantize_float(Tensor x, SymInt[] block_size, Tensor scale, str fmt) "
+      "-> (Tensor, Tensor)");
+  // E8M0 scales computed per block of `block_size` along `axis`. Returns
+  // (y, packed mask, block scales as fp32 of x.shape with the axis cut to
+  // ceil(size / block_size)).
+  m.def(
+      "fake_quantize_mx(Tensor x, str elem_fmt, int block_size, int axis) "
+      "-> (Tensor, Tensor, Tensor)");
+  // E2M1 in blocks of 16 along `axis` with E4M3 block scales under an fp32
+  // global scale (computed from x's amax when None). Returns (y, packed mask,
+  // E4M3 block scales as fp32, global scale as a 0-dim fp32 tensor).
+  m.def(
+      "fake_quantize_nvfp4(Tensor x, Tensor? global_scale, int axis) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
 }

@@ -3,7 +3,6 @@
 #include <torch/library.h>
 
 #include "cpu_loops.h"
-#include "dtype_dispatch.h"
 #include "pt2e_fq/affine.h"
 #include "pt2e_fq/block_layout.h"
 #include "qparams.h"

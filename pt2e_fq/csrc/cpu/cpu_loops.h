@@ -9,7 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "dtype_dispatch.h"
+#include "float_dtype.h"
 #include "pt2e_fq/block_layout.h"
 #include "pt2e_fq/float_formats.h"
 #include "pt2e_fq/float_ops.h"

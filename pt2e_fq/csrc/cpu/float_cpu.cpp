@@ -5,7 +5,6 @@
 #include <torch/library.h>
 
 #include "cpu_loops.h"
-#include "dtype_dispatch.h"
 #include "float_args.h"
 #include "pt2e_fq/block_layout.h"
 #include "pt2e_fq/float_formats.h"

@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "cpu_loops.h"
-#include "dtype_dispatch.h"
 #include "float_args.h"
+#include "float_dtype.h"
 #include "pt2e_fq/block_layout.h"
 #include "pt2e_fq/float_formats.h"
 #include "qparams.h"
@@ -113,21 +113,6 @@ void blocks_strided(const T* x, T* y, uint8_t* mask, float* scales, const AxisBl
       }
     }
   });
-}
-
-struct BlockOutputs {
-  at::Tensor x, y, mask, scales;
-};
-
-// Contiguous x, and y, a zeroed mask (pack_bits_at ORs into it) and the block
-// scales, allocated.
-BlockOutputs new_block_outputs(const at::Tensor& x_in, int64_t axis, const AxisBlocks& A) {
-  BlockOutputs o;
-  o.x = x_in.contiguous();
-  o.y = at::empty_like(o.x, at::MemoryFormat::Contiguous);
-  o.mask = new_packed_mask(o.x).zero_();
-  o.scales = at::empty(block_scale_shape(o.x, axis, A), o.x.options().dtype(at::kFloat));
-  return o;
 }
 
 template <typename Scaling>

@@ -5,7 +5,7 @@
 #include <type_traits>
 
 #include "cpu_loops.h"
-#include "dtype_dispatch.h"
+#include "float_dtype.h"
 #include "qparams.h"
 
 namespace pt2e_fq::cpu {

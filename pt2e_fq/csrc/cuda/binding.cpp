@@ -6,24 +6,26 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <type_traits>
+
 #include "float_args.h"
+#include "float_dtype.h"
 #include "kernels.h"
 #include "qparams.h"
 
 namespace pt2e_fq::cuda {
 namespace {
 
+// The kernels' name of a dtype the caller has checked.
 ElemType elem_type(at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kFloat:
-      return ElemType::kFloat32;
-    case at::kBFloat16:
-      return ElemType::kBFloat16;
-    case at::kHalf:
-      return ElemType::kFloat16;
-    default:
-      TORCH_CHECK_TYPE(false, "pt2e_fq: expected float32, bfloat16 or float16, got ", dtype);
-  }
+  ElemType type{};
+  dispatch_float_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    type = std::is_same_v<T, float>           ? ElemType::kFloat32
+           : std::is_same_v<T, c10::BFloat16> ? ElemType::kBFloat16
+                                              : ElemType::kFloat16;
+  });
+  return type;
 }
 
 // Qparam values are not checked here: that would need a host sync. Invalid
@@ -77,19 +79,6 @@ std::tuple<at::Tensor, at::Tensor> fake_quantize_float_cuda(const at::Tensor& x_
                                             scale.data_ptr<float>(), layout,
                                             c10::cuda::getCurrentCUDAStream().stream()));
   return {y, mask};
-}
-
-// Contiguous x, y, a zeroed mask (the kernels OR bits into it), fp32 scales.
-struct BlockOutputs {
-  at::Tensor x, y, mask, scales;
-};
-
-BlockOutputs new_block_outputs(const at::Tensor& x_in, int64_t axis, const AxisBlocks& A) {
-  BlockOutputs o{x_in.contiguous()};
-  o.y = at::empty_like(o.x, at::MemoryFormat::Contiguous);
-  o.mask = new_packed_mask(o.x).zero_();
-  o.scales = at::empty(block_scale_shape(o.x, axis, A), o.x.options().dtype(at::kFloat));
-  return o;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fake_quantize_mx_cuda(const at::Tensor& x_in,
