@@ -22,6 +22,9 @@ $(STAMP): $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel ninja
 	$(if $(TORCH),$(PY) -m pip install -q "$(TORCH)")
+	@# An in-place _C built before the abi3 build (_C.cpython-3X-*.so) would be
+	@# imported ahead of the new _C.abi3.so.
+	rm -f pt2e_fq/_C.cpython-*.so
 	$(PY) -m pip install -q --no-build-isolation -e ".[$(EXTRAS)]"
 	touch $@
 
