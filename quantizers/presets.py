@@ -37,6 +37,7 @@ from pt2e_fq import (
     PerTensor,
     QSpec,
 )
+from pt2e_fq.format_kinds import MX, kind_of
 
 from .config import OpConfig, QuantizerConfig
 
@@ -49,13 +50,14 @@ def _int_config(weight: QSpec, activation=None) -> QuantizerConfig:
     return QuantizerConfig(OpConfig(input_activation=activation, weight=weight, output_activation=activation))
 
 
-def _block_config(fmt, block: int, activation_dynamic: bool) -> QuantizerConfig:
-    """MX / NVFP4: blocks along the reduction axis of every op."""
+def _block_config(fmt, activation_dynamic: bool) -> QuantizerConfig:
+    """MX / NVFP4: the format's blocks along the reduction axis of every op."""
 
     def spec(axis, dynamic, observer=None):
-        return QSpec(fmt, PerGroup(block, axis), dynamic=dynamic, observer=observer)
+        return QSpec(fmt, PerGroup(fmt.scale_block, axis), dynamic=dynamic, observer=observer)
 
-    weight_dynamic = fmt is not NVFP4  # MX: the kernel scales every block; NVFP4: an observed global scale
+    # MX: the kernel scales every block (nothing to observe); NVFP4: an observed global scale.
+    weight_dynamic = kind_of(fmt) is MX
     weight = spec(1, weight_dynamic, None if weight_dynamic else _WEIGHT_OBSERVER)
     config = QuantizerConfig(OpConfig(spec(-1, activation_dynamic), weight, None, spec(-1, activation_dynamic)))
     conv = OpConfig(spec(1, activation_dynamic), weight, None, spec(1, activation_dynamic))
@@ -71,9 +73,9 @@ W8A16 = _int_config(QSpec(INT8, PerGroup(128, 1), "symmetric_narrow", observer=_
 FP8 = _int_config(
     QSpec(FP8_E4M3, PerChannel(0), observer=_WEIGHT_OBSERVER), QSpec(FP8_E4M3, PerTensor(), dynamic=True)
 )
-MXFP8 = _block_config(MXFP8_E4M3, 32, activation_dynamic=True)
-MXFP4 = _block_config(MXFP4, 32, activation_dynamic=True)
-NVFP4 = _block_config(NVFP4, 16, activation_dynamic=False)
+MXFP8 = _block_config(MXFP8_E4M3, activation_dynamic=True)
+MXFP4 = _block_config(MXFP4, activation_dynamic=True)
+NVFP4 = _block_config(NVFP4, activation_dynamic=False)
 
 PRESETS = {
     "w8a8": W8A8,
