@@ -263,7 +263,7 @@ def test_check_onnx_fails_when_onnx_runtime_and_torch_disagree(tmp_path):
 
 def test_to_onnx_errors_name_the_problem(tmp_path):
     model = ptq(INT8_ASYM, q.QSpec(q.INT8, q.PerChannel(0)))
-    with pytest.raises(ValueError, match="opset must be an int >= 21"):
+    with pytest.raises(ValueError, match=r"opset must be an int from 21 \(int4, int16 and blocked Q/DQ\) to"):
         to_onnx(model, (batch(0),), tmp_path / "m.onnx", opset=20)
 
     class ReturnsMask(nn.Module):
@@ -277,3 +277,31 @@ def test_to_onnx_errors_name_the_problem(tmp_path):
     point = _standalone_point(q.QSpec(q.INT8, q.PerBlock((2, 4)), dynamic=True), torch.randn(4, 8))
     with pytest.raises(Exception, match="ONNX blocks along one axis only"):
         to_onnx(point, (torch.randn(4, 8),), tmp_path / "m.onnx")
+
+
+@pytest.mark.parametrize("opset", [onnx.defs.onnx_opset_version() + 1, 99, True, 21.0, "21"])
+def test_to_onnx_refuses_an_opset_it_cannot_write_before_any_work(opset, tmp_path):
+    """Issue 16 item 20: torch.onnx, asked for an opset newer than the onnx
+    package defines, logged a traceback and wrote an opset-18 file that ONNX
+    Runtime refuses. The check comes first: nothing is exported or written,
+    and a file already at the path is left alone."""
+    path = tmp_path / "m.onnx"
+    path.write_bytes(b"an older export")
+    newest = onnx.defs.onnx_opset_version()
+
+    class Unexportable(nn.Module):  # would fail in torch.export if the check came later
+        def forward(self, x):
+            return x.item()
+
+    with pytest.raises(ValueError, match=rf"^to_onnx: opset must be an int from 21 \(.*\) to {newest} \(the newest "
+                                         rf"opset of the installed onnx {onnx.__version__}\), got {opset!r}$"):
+        to_onnx(Unexportable(), (torch.randn(2),), path, opset=opset)
+    assert path.read_bytes() == b"an older export"
+
+
+def test_to_onnx_writes_the_opset_asked_for(tmp_path):
+    model = ptq(INT8_ASYM, q.QSpec(q.INT8, q.PerChannel(0)))
+    path = tmp_path / "m.onnx"
+    to_onnx(model, (batch(0),), path, opset=23)
+    assert {o.domain: o.version for o in onnx.load(path).opset_import}[""] == 23
+    assert check_onnx(path, model, (batch(1),)).points == len(fake_quant_nodes(model))

@@ -21,6 +21,10 @@ from ..inputs import as_args
 from ..op_call import decode_node, is_fake_quant_node, program_constants
 from .program import exported_program
 
+# The lowest opset the translation targets: int4, int16 and blocked Q/DQ
+# arrived in opset 21.
+MIN_OPSET = 21
+
 # ONNX metadata key: a JSON list, per fake-quant point, of the names of its
 # input ("input": null for a weight stored as integers) and output values.
 POINTS_METADATA = "pt2e_fq.points"
@@ -56,6 +60,28 @@ def _check_exportable(ep: torch.export.ExportedProgram) -> None:
                 )
 
 
+def supported_opsets() -> range:
+    """The opsets to_onnx writes: MIN_OPSET up to the newest one the
+    installed onnx package defines. torch.onnx converts the opset-21
+    translation to any of them; asked for a newer one, it logs a traceback
+    and silently writes opset 18, which has no blocked Q/DQ."""
+    import onnx
+
+    return range(MIN_OPSET, onnx.defs.onnx_opset_version() + 1)
+
+
+def _check_opset(opset) -> None:
+    allowed = supported_opsets()
+    # bool is an int subclass: opset=True is a mistake, not opset 1.
+    if isinstance(opset, bool) or not isinstance(opset, int) or opset not in allowed:
+        import onnx
+
+        raise ValueError(
+            f"to_onnx: opset must be an int from {allowed.start} (int4, int16 and blocked Q/DQ) to "
+            f"{allowed.stop - 1} (the newest opset of the installed onnx {onnx.__version__}), got {opset!r}"
+        )
+
+
 def to_onnx(
     model,
     example_inputs,
@@ -69,14 +95,14 @@ def to_onnx(
     file of QuantizeLinear / DequantizeLinear, folding QAT conv-bn first
     unless fold_bn=False. Returns the torch.onnx.ONNXProgram.
 
-    opset must be >= 21 (int4, int16 and blocked Q/DQ). dynamic_shapes is
+    opset: from 21 (int4, int16 and blocked Q/DQ) to the newest opset the
+    installed onnx package defines (see supported_opsets). dynamic_shapes is
     torch.export's. The file is written without external data.
     """
     require_onnx()
     from .onnx_qdq import translation_table
 
-    if not isinstance(opset, int) or opset < 21:
-        raise ValueError(f"to_onnx: opset must be an int >= 21 (int4, int16 and blocked QDQ), got {opset!r}")
+    _check_opset(opset)
     ep = exported_program(model, example_inputs, dynamic_shapes=dynamic_shapes, fold_bn=fold_bn)
     _check_exportable(ep)
     points: list = []
