@@ -24,6 +24,8 @@ import zipfile
 from pathlib import Path
 from typing import Optional, Sequence
 
+from ..files import WriteError
+
 PROG = "pt2e-fq"
 _SHAPE = re.compile(r"^\d+(x\d+)*$")
 
@@ -346,6 +348,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except UsageError as e:
         print(f"{PROG} {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except WriteError as e:  # its message names the file and the reason; the type adds nothing
+        print(f"{PROG} {args.command}: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
         return 130

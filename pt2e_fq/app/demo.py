@@ -11,6 +11,7 @@ It ends with a table: accuracy, file bytes and training step time.
 from __future__ import annotations
 
 import copy
+import io
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -23,6 +24,7 @@ from tabulate import tabulate
 
 from . import digits, pipeline
 from ..export import check_onnx, ort_session, save, to_onnx
+from ..files import write_text
 from ..report import report
 from .step_time import step_times
 
@@ -155,14 +157,15 @@ def _run(out: Path, float_epochs, qat_epochs, calibration_batches, seed, progres
     check = check_onnx(onnx_path, qat, (x_test[:BATCH],))
     log(f"check_onnx {onnx_path.name}: {check.points} points bit-exact in ONNX Runtime; outputs within "
         f"{check.max_abs_diff_optimized:.3g} of torch (one quantization step: {check.tolerance:.3g})")
-    with open(out / "qat_w4a8_report.txt", "w") as f:
-        report(qat, example, file=f)
+    text = io.StringIO()
+    report(qat, example, file=text)
+    write_text(out / "qat_w4a8_report.txt", text.getvalue())
 
     result.seconds = time.perf_counter() - start
-    (out / "results.json").write_text(json.dumps(
+    write_text(out / "results.json", json.dumps(
         {"rows": [asdict(r) for r in result.rows], "seconds": result.seconds}, indent=2) + "\n")
     table = result.table()
-    (out / "results.md").write_text(table + "\n")
+    write_text(out / "results.md", table + "\n")
     log(table)
     log(f"files in {out}/ (.pt2, .onnx, qat_w4a8_report.txt, results.md, results.json); {result.seconds:.0f} s")
     return result

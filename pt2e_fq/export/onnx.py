@@ -16,6 +16,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from ..files import atomic_write, check_writable
 from ..formats import FloatFormat
 from ..inputs import as_args
 from ..op_call import decode_node, is_fake_quant_node, program_constants
@@ -97,12 +98,15 @@ def to_onnx(
 
     opset: from 21 (int4, int16 and blocked Q/DQ) to the newest opset the
     installed onnx package defines (see supported_opsets). dynamic_shapes is
-    torch.export's. The file is written without external data.
+    torch.export's. The file is written without external data, and
+    replaces `path` only once it is complete; a failed write is a
+    pt2e_fq.files.WriteError.
     """
     require_onnx()
     from .onnx_qdq import translation_table
 
     _check_opset(opset)
+    check_writable(path)  # before the export's work
     ep = exported_program(model, example_inputs, dynamic_shapes=dynamic_shapes, fold_bn=fold_bn)
     _check_exportable(ep)
     points: list = []
@@ -119,5 +123,6 @@ def to_onnx(
     program.model.metadata_props[POINTS_METADATA] = json.dumps(
         [{"input": None if x is None else x.name, "output": y.name} for x, y in points]
     )
-    program.save(os.fspath(path), external_data=False)
+    with atomic_write(path) as temporary:
+        program.save(os.fspath(temporary), external_data=False)
     return program
