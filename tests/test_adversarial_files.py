@@ -1,17 +1,23 @@
-"""Hostile file-system conditions for every file pt2e_fq writes (issue 16,
-item 16): a full disk, a failing writer, a folder or a missing folder at the
-path, a symbolic link. A failed write is one clear error (the CLI: one line,
-exit status 1, no traceback, no abort) and a good file already at the path
-survives; a successful write replaces the file whole.
+"""The files pt2e_fq writes, under hostile conditions.
 
+Issue 16, item 16: a full disk, a failing writer, a folder or a missing
+folder at the path, a symbolic link. A failed write is one clear error (the
+CLI: one line, exit status 1, no traceback, no abort) and a good file
+already at the path survives; a successful write replaces the file whole.
 /dev/full (every write fails with ENOSPC) stands in for a full disk, reached
 through a link with the file name the API expects.
+
+Issue 16, "Also": a .pt2 whose program returns a transformers ModelOutput
+loads in a fresh process; an output type no other process could find is
+refused at save time.
 """
 
 from __future__ import annotations
 
 import errno
+import re
 import os
+import textwrap
 import stat
 import subprocess
 import sys
@@ -20,6 +26,7 @@ from pathlib import Path
 import cli_models
 import pytest
 import torch
+import torch.utils._pytree as pytree
 from quantizer_models import single_thread  # noqa: F401 (an autouse fixture: one thread)
 
 import pt2e_fq
@@ -210,3 +217,91 @@ def test_demo_to_a_full_disk_exits_1_with_one_line(tmp_path):
     result = _run_cli("demo", "--out", str(tmp_path), "--float-epochs", "1", "--qat-epochs", "1", "--no-progress")
     assert result.returncode == 1
     assert result.stderr == f"pt2e-fq demo: error: cannot write {str(link)!r}: {ENOSPC}\n"
+
+
+# -- programs another process must load -----------------------------------------------
+
+
+def _tiny_bert():
+    """A BERT of one layer from a config (no download), and token ids."""
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=16)
+    torch.manual_seed(0)
+    return BertModel(config).eval(), torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(0))
+
+
+def test_a_transformers_model_output_program_loads_in_a_fresh_process(tmp_path):
+    """torch.export.load of a program returning a ModelOutput failed in a
+    fresh process ("... in pytree is not registered"): the type registers
+    only when transformers.modeling_outputs is imported. pt2e_fq.load
+    imports it; the loaded program returns the same ModelOutput with the
+    values the saving process computed, for the float and the w8a8 model."""
+    model, ids = _tiny_bert()
+    converted = pipeline.quantize(model, (ids,), "w8a8", progress=False)
+    expected = {}
+    for name, m in [("float", model), ("w8a8", converted)]:
+        pt2e_fq.save(m, (ids,), tmp_path / f"{name}.pt2")
+        with torch.no_grad():
+            out = m(ids)
+        expected[name] = (type(out).__module__ + "." + type(out).__name__, out.last_hidden_state, out.pooler_output)
+    torch.save({"ids": ids, "expected": expected}, tmp_path / "expected.pt")
+    script = textwrap.dedent(f"""
+        import sys, torch, pt2e_fq
+        assert "transformers" not in sys.modules  # pt2e_fq.load must import what the file needs
+        data = torch.load({str(tmp_path / "expected.pt")!r})
+        for name, (kind, hidden, pooled) in data["expected"].items():
+            out = pt2e_fq.load({str(tmp_path)!r} + f"/{{name}}.pt2").module()(data["ids"])
+            assert type(out).__module__ + "." + type(out).__name__ == kind, type(out)
+            assert torch.equal(out.last_hidden_state, hidden) and torch.equal(out.pooler_output, pooled), name
+            print("loaded", name, kind)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    kind = "transformers.modeling_outputs.BaseModelOutputWithPoolingAndCrossAttentions"
+    assert result.stdout.splitlines() == [f"loaded float {kind}", f"loaded w8a8 {kind}"]
+
+
+class _Pair:
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+
+class _PairModel(torch.nn.Module):
+    def forward(self, x):
+        return _Pair(x + 1, x * 2)
+
+
+@pytest.mark.parametrize(
+    "module, serialized_type_name, message",
+    [
+        ("__main__", "__main__._Pair",
+         "save: the program's outputs contain a __main__._Pair, registered as pytree node '__main__._Pair', whose "
+         "module '__main__' another process cannot import to load the file; define and register _Pair in an "
+         "importable module, or return tensors in tuples, lists or dicts"),
+        ("no_such_package_xyz.outputs", "no_such_package_xyz.outputs._Pair",
+         "save: the program's outputs contain a no_such_package_xyz.outputs._Pair, registered as pytree node "
+         "'no_such_package_xyz.outputs._Pair', whose module 'no_such_package_xyz.outputs' another process cannot "
+         "import"),
+        ("mymodels", None,
+         "save: the program's outputs contain a mymodels._Pair, a pytree node registered without a "
+         "serialized_type_name, which a .pt2 file cannot name; register it with "
+         "torch.utils._pytree.register_pytree_node(..., serialized_type_name='mymodels._Pair') in an importable "
+         "module"),
+    ],
+    ids=["script", "missing-module", "no-serialized-name"],
+)
+def test_save_refuses_an_output_type_another_process_cannot_find(module, serialized_type_name, message, tmp_path,
+                                                                  monkeypatch):
+    """Such a file would save and then fail to load anywhere else: refused
+    before anything is written."""
+    monkeypatch.setattr(_Pair, "__module__", module)
+    pytree.register_pytree_node(_Pair, lambda p: ([p.a, p.b], None), lambda values, _: _Pair(*values),
+                                serialized_type_name=serialized_type_name)
+    try:
+        with pytest.raises(ValueError, match="^" + re.escape(message)):
+            pt2e_fq.save(_PairModel(), (torch.randn(2, 3),), tmp_path / "pair.pt2")
+    finally:
+        pytree._deregister_pytree_node(_Pair)
+    assert _entries(tmp_path) == set()
