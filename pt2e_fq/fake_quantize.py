@@ -193,10 +193,10 @@ class FakeQuantize(FakeQuantizeBase):
         block_size = self.qspec.range_granularity.block_size(x.shape)
 
         def fake_quantize_range(lo, hi):  # for observers that search the range
-            return self._fake_quantize(x, self._kind.qparams_from_range(self.qspec, lo, hi))
+            return self._fake_quantize(x, self._kind.qparams_from_range(self.qspec, lo, hi, x.dtype))
 
         lo, hi = self._observer.observe(x, block_size, running, fake_quantize_range)
-        return (lo, hi), self._kind.qparams_from_range(self.qspec, lo, hi)
+        return (lo, hi), self._kind.qparams_from_range(self.qspec, lo, hi, x.dtype)
 
     def _observe(self, x: torch.Tensor) -> None:
         self._check_stored_shape(x.shape)

@@ -29,7 +29,14 @@ import torch
 from . import ops
 from .formats import ELEMENTS, FloatFormat, Format, IntFormat
 from .granularity import Granularity, PerGroup, PerTensor
-from .qparams import asymmetric_qparams, float_scale, minval_qparams, symmetric_qparams, two_level_global_scale
+from .qparams import (
+    asymmetric_qparams,
+    float_scale,
+    int_range_limit,
+    minval_qparams,
+    symmetric_qparams,
+    two_level_global_scale,
+)
 from .schemes import Formulation, Scheme
 
 # Bits a stored fp32 qparam (scale, minval, global scale) takes.
@@ -108,11 +115,19 @@ class FormatKind:
         order the op takes them."""
         raise NotImplementedError
 
-    def qparams_from_range(self, spec, lo: torch.Tensor, hi: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The qparams of `spec` for the per-block range [lo, hi], in fp32."""
-        return self._from_range(spec, lo.float(), hi.float())
+    def qparams_from_range(
+        self, spec, lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype = torch.float32
+    ) -> dict[str, torch.Tensor]:
+        """The qparams of `spec` for the per-block range [lo, hi], in fp32,
+        for inputs of `dtype` (the observed tensor's). A block whose range
+        is empty (lo > hi: no finite value observed, see observers.py) gets
+        the qparams of [0, 0], which are finite: the op refuses non-finite
+        ones, and a NaN input must give NaN outputs, not an error."""
+        lo, hi = lo.float(), hi.float()
+        empty = lo > hi
+        return self._from_range(spec, torch.where(empty, 0.0, lo), torch.where(empty, 0.0, hi), dtype)
 
-    def _from_range(self, spec, lo: torch.Tensor, hi: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _from_range(self, spec, lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
     def fake_quantize(self, spec, x: torch.Tensor, block_size, qparams: dict) -> torch.Tensor:
@@ -164,8 +179,10 @@ class _Integer(FormatKind):
     def qparam_names(self, spec):
         return ("scale", "minval") if spec.formulation is Formulation.MINVAL else ("scale", "zero_point")
 
-    def _from_range(self, spec, lo, hi):
+    def _from_range(self, spec, lo, hi, dtype):
         qmin, qmax = self.quant_range(spec)
+        limit = int_range_limit(dtype, qmin, qmax)
+        lo, hi = lo.clamp(-limit, limit), hi.clamp(-limit, limit)
         if spec.formulation is Formulation.MINVAL:
             scale, minval = minval_qparams(lo, hi, qmin, qmax)
             return {"scale": scale, "minval": minval}
@@ -206,7 +223,7 @@ class _ScaledFloat(FormatKind):
     def qparam_names(self, spec):
         return ("scale",)
 
-    def _from_range(self, spec, lo, hi):
+    def _from_range(self, spec, lo, hi, dtype):
         return {"scale": float_scale(lo, hi, spec.format.fmax)}
 
     def fake_quantize(self, spec, x, block_size, qparams):
@@ -252,7 +269,7 @@ class _MX(_BlockScaled):
     def qparam_names(self, spec):
         return ()  # the kernel computes every scale from the live tensor
 
-    def _from_range(self, spec, lo, hi):
+    def _from_range(self, spec, lo, hi, dtype):
         return {}
 
     def fake_quantize(self, spec, x, block_size, qparams):
@@ -282,7 +299,7 @@ class _NVFP4(_BlockScaled):
     def qparam_names(self, spec):
         return () if spec.dynamic else ("global_scale",)
 
-    def _from_range(self, spec, lo, hi):
+    def _from_range(self, spec, lo, hi, dtype):
         if spec.dynamic:
             return {}
         fmt = spec.format

@@ -6,6 +6,13 @@ observer works with every granularity, and uses tensor ops only: no
 `.item()`, no branch on a tensor value, no host sync. The FakeQuantize module
 owns the state (the running range of MinMax and MovingAverageMinMax, in its
 `min_val` / `max_val` buffers) and turns the range into qparams (qparams.py).
+
+Non-finite values (NaN, +-Inf) are ignored: one NaN would otherwise make a
+block's min and max NaN, and a running range, once NaN, stays NaN for every
+later clean batch. A block with no finite value gives the empty range
+(+inf, -inf), the reductions' identities, which leaves a running range as it
+was; format_kinds turns an empty range into the qparams of [0, 0]. The
+module counts the values ignored (`FakeQuantize.nonfinite_count`).
 """
 
 from __future__ import annotations
@@ -24,10 +31,17 @@ FakeQuantizeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def block_min_max(x: torch.Tensor, block_size: Sequence[int]) -> Range:
-    """The fp32 minimum and maximum of every block (NaN propagates)."""
-    lo = reduce_blocks(x, block_size, torch.amin, math.inf)
-    hi = reduce_blocks(x, block_size, torch.amax, -math.inf)
+    """The fp32 minimum and maximum of the finite values of every block;
+    (+inf, -inf) for a block with none (see the module docstring)."""
+    finite = torch.isfinite(x)
+    lo = reduce_blocks(torch.where(finite, x, math.inf), block_size, torch.amin, math.inf)
+    hi = reduce_blocks(torch.where(finite, x, -math.inf), block_size, torch.amax, -math.inf)
     return lo.float(), hi.float()
+
+
+def is_empty(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """Per block: True where the range holds no finite value (lo > hi)."""
+    return lo > hi
 
 
 class Observer:
@@ -64,7 +78,10 @@ class MinMaxObserver(Observer):
 @dataclass(frozen=True)
 class MovingAverageMinMaxObserver(Observer):
     """An exponential moving average of each batch's min and max (QAT):
-    running += averaging_constant * (batch - running); the first batch sets it."""
+    running += averaging_constant * (batch - running); the first batch with a
+    finite value in a block sets that block, and a batch with none in a block
+    leaves it (averaging with its empty range's infinities would make it
+    Inf or NaN for good)."""
 
     averaging_constant: float = 0.01
     keeps_range: ClassVar[bool] = True
@@ -79,7 +96,12 @@ class MovingAverageMinMaxObserver(Observer):
         if running is None:
             return lo, hi
         c = self.averaging_constant
-        return running[0] + c * (lo - running[0]), running[1] + c * (hi - running[1])
+        seen, fresh = ~is_empty(lo, hi), is_empty(*running)
+
+        def update(old, new):
+            return torch.where(seen, torch.where(fresh, new, old + c * (new - old)), old)
+
+        return update(running[0], lo), update(running[1], hi)
 
 
 @dataclass(frozen=True)
@@ -87,8 +109,10 @@ class MSEObserver(Observer):
     """Searches the clipping range that minimises the fake-quant error, per
     block: candidates [lo, hi] * f for `num_candidates` fractions f evenly
     from 1 down to `min_fraction` (clipping toward 0); the smallest sum of
-    squared errors wins, the widest range on a tie. It looks at the current
-    tensor only, which is right for weights; one fused op call per candidate."""
+    squared errors wins, the widest range on a tie. Non-finite elements
+    count no error (their own error is NaN or Inf whatever the range). It
+    looks at the current tensor only, which is right for weights; one fused
+    op call per candidate."""
 
     num_candidates: int = 100
     min_fraction: float = 0.2
@@ -108,10 +132,12 @@ class MSEObserver(Observer):
     def observe(self, x, block_size, running, fake_quantize):
         lo, hi = block_min_max(x, block_size)
         xf = x.float()
+        finite = torch.isfinite(xf)
         best_lo, best_hi, best_err = lo, hi, None
         for f in self.fractions():
             c_lo, c_hi = lo * f, hi * f
-            err = reduce_blocks((fake_quantize(c_lo, c_hi).float() - xf).square(), block_size, torch.sum, 0.0)
+            sq = torch.where(finite, (fake_quantize(c_lo, c_hi).float() - xf).square(), 0.0)
+            err = reduce_blocks(sq, block_size, torch.sum, 0.0)
             if best_err is None:
                 best_err, best_lo, best_hi = err, c_lo, c_hi
                 continue

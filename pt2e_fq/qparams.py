@@ -20,6 +20,19 @@ INT_SCALE_EPS = torch.finfo(torch.float32).eps
 FLOAT_SCALE_TINY = torch.finfo(torch.float32).tiny
 
 
+def int_range_limit(dtype: torch.dtype, quant_min: int, quant_max: int) -> float:
+    """The largest |value| an integer point's range may reach for inputs of
+    `dtype`; observed ranges are clamped to it. The integer grid overshoots
+    its range by up to half a step (an asymmetric zero point is rounded; a
+    symmetric signed grid reaches quant_min * scale = -amax * (n + 1) / n,
+    n = quant_max - quant_min), so a range up to the dtype's largest finite
+    value would dequantize values inside it to +-Inf (fp16: 65504 -> Inf).
+    Scaling the dtype's max by n / (n + 1) keeps every grid point finite;
+    capping at half the fp32 max keeps hi - lo, and so the scale, finite."""
+    n = quant_max - quant_min
+    return min(torch.finfo(dtype).max * n / (n + 1), torch.finfo(torch.float32).max / 2)
+
+
 def symmetric_qparams(lo, hi, quant_min: int, quant_max: int) -> tuple[torch.Tensor, torch.Tensor]:
     """scale = max(|lo|, |hi|) / ((quant_max - quant_min) / 2); the zero point
     is the middle code: 0 for a signed range, 2**(bits-1) for an unsigned one."""

@@ -1,0 +1,162 @@
+"""Adversarial values through the fake-quant modules, observers, report and
+export checks: NaN, +-Inf, fp16's largest value, empty batches.
+
+Expected values come from hand-computed qparams (torch's observer formulas
+on the finite values) applied with pt2e_fq.reference, never from the module
+under test.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pt2e_fq as q
+from pt2e_fq import reference
+
+NAN, INF = float("nan"), float("inf")
+
+
+def f32(*values):
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def hand_asymmetric(lo: float, hi: float, qmin: int = -128, qmax: int = 127):
+    """torch's affine qparams of [lo, hi] (widened to include 0), in fp32."""
+    min_neg, max_pos = f32(min(lo, 0.0)), f32(max(hi, 0.0))
+    scale = ((max_pos - min_neg) / float(qmax - qmin)).clamp(min=torch.finfo(torch.float32).eps)
+    zero_point = (qmin - torch.round(min_neg / scale)).clamp(qmin, qmax).to(torch.int32)
+    return scale, zero_point
+
+
+def with_nonfinite(values: list[float], positions: list[int], kinds: list[float]) -> torch.Tensor:
+    x = f32(*values)
+    for p, v in zip(positions, kinds):
+        x[p % x.numel()] = v
+    return x
+
+
+# ---------------------------------------------------------------------------
+# Item 14: dynamic points take NaN / Inf inputs; nothing poisons a point's state
+
+
+def test_dynamic_fp8_preset_point_ignores_nonfinite_values_for_its_scale():
+    spec = q.QSpec(q.FP8_E4M3, q.PerTensor(), dynamic=True)  # the fp8 preset's activations
+    x = f32(1.5, NAN, -3.0, INF, 0.25, -INF)
+    y = q.FakeQuantize(spec)(x)
+    scale = f32(3.0) / 448.0  # amax of the finite values / fmax(E4M3)
+    expected, _ = reference.fake_quantize_float(x, [6], scale, torch.float8_e4m3fn)
+    torch.testing.assert_close(y, expected, rtol=0, atol=0, equal_nan=True)
+    assert math.isnan(y[1]) and y[3] == 3.0 and y[5] == -3.0  # NaN through, +-Inf saturates
+
+
+def test_dynamic_per_token_int8_point_ignores_nonfinite_values_per_token():
+    spec = q.QSpec(q.INT8, q.PerToken(), "asymmetric", dynamic=True)
+    x = torch.stack([f32(0.5, NAN, 2.0, -1.0), f32(INF, 1.0, -4.0, 3.0), f32(1.0, 2.0, 3.0, 4.0)])
+    y = q.FakeQuantize(spec)(x)
+    for row, (lo, hi) in enumerate([(-1.0, 2.0), (-4.0, 3.0), (1.0, 4.0)]):
+        scale, zp = hand_asymmetric(lo, hi)
+        expected, _ = reference.fake_quantize_affine(x[row], [4], scale, zp, -128, 127)
+        torch.testing.assert_close(y[row], expected, rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_token_with_no_finite_value_gives_nan_and_leaves_the_others_alone():
+    spec = q.QSpec(q.INT8, q.PerToken(), dynamic=True)
+    x = torch.stack([f32(NAN, NAN), f32(-1.0, 0.5)])
+    y = q.FakeQuantize(spec)(x)
+    assert torch.isnan(y[0]).all()
+    scale = f32(1.0) / 127.5
+    expected, _ = reference.fake_quantize_affine(x[1], [2], scale, torch.zeros(1, dtype=torch.int32), -128, 127)
+    torch.testing.assert_close(y[1], expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("observer", [q.MinMaxObserver(), q.MovingAverageMinMaxObserver(0.5)])
+def test_a_nonfinite_calibration_batch_does_not_poison_later_clean_batches(observer):
+    fq = q.FakeQuantize(q.QSpec(q.INT8, q.PerTensor(), "asymmetric", observer=observer))
+    fq.disable_fake_quant()  # the issue's setup: calibration with fake quant off
+    fq(f32(NAN, INF, -INF))  # nothing finite: the range stays empty
+    fq(f32(-1.0, NAN, 2.0))
+    fq(f32(-3.0, 1.0, 0.5))
+    if isinstance(observer, q.MinMaxObserver):
+        lo, hi = -3.0, 2.0
+    else:  # the first finite batch sets the range, then running += 0.5 * (batch - running)
+        lo, hi = -1.0 + 0.5 * (-3.0 - -1.0), 2.0 + 0.5 * (1.0 - 2.0)
+    assert (fq.min_val.item(), fq.max_val.item()) == (lo, hi)
+    scale, zp = hand_asymmetric(lo, hi)
+    assert torch.equal(fq.scale.reshape(1), scale.reshape(1)) and torch.equal(fq.zero_point.reshape(1), zp.reshape(1))
+
+
+def test_moving_average_keeps_a_block_that_a_batch_leaves_without_finite_values():
+    fq = q.FakeQuantize(q.QSpec(q.INT8, q.PerChannel(0), observer=q.MovingAverageMinMaxObserver(0.5)))
+    fq(torch.stack([f32(-1.0, 1.0), f32(-2.0, 2.0)]))
+    fq(torch.stack([f32(NAN, INF), f32(-4.0, 4.0)]))
+    assert fq.min_val.flatten().tolist() == [-1.0, -3.0] and fq.max_val.flatten().tolist() == [1.0, 3.0]
+
+
+def test_mse_observer_ignores_nonfinite_values():
+    # With the NaN / Inf elements removed the tensor is what the observer must see.
+    clean = torch.linspace(-2.0, 3.0, 64)
+    dirty = clean.clone()
+    dirty[[5, 17, 40]] = torch.tensor([NAN, INF, -INF])
+    keep = torch.isfinite(dirty)
+    spec = q.QSpec(q.INT8, q.PerTensor(), observer=q.MSEObserver(num_candidates=20))
+    a, b = q.FakeQuantize(spec), q.FakeQuantize(spec)
+    a(dirty)
+    b(dirty[keep])
+    assert torch.isfinite(a.scale).all()
+    assert torch.equal(a.scale, b.scale) and torch.equal(a.zero_point, b.zero_point)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    values=st.lists(st.floats(-1e4, 1e4, width=32), min_size=1, max_size=24),
+    positions=st.lists(st.integers(0, 1000), max_size=6),
+    kinds=st.lists(st.sampled_from([NAN, INF, -INF]), min_size=6, max_size=6),
+)
+def test_min_max_range_is_the_range_of_the_finite_values(values, positions, kinds):
+    x = with_nonfinite(values, positions, kinds)
+    fq = q.FakeQuantize(q.QSpec(q.INT8, q.PerTensor(), "asymmetric"))
+    y = fq(x)
+    finite = x[torch.isfinite(x)]
+    if finite.numel():
+        assert (fq.min_val.item(), fq.max_val.item()) == (finite.min().item(), finite.max().item())
+        scale, zp = hand_asymmetric(finite.min().item(), finite.max().item())
+        expected, _ = reference.fake_quantize_affine(x, [x.numel()], scale, zp, -128, 127)
+        torch.testing.assert_close(y, expected, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(y).eq(torch.isnan(x)).all()  # NaN exactly where the input is NaN
+
+
+# ---------------------------------------------------------------------------
+# Item 7: values inside the calibrated range stay finite in fp16 / bf16
+
+
+@pytest.mark.parametrize("scheme", ["asymmetric", "symmetric", "symmetric_narrow"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("low", [-100.0, -1.0, 0.0, None])
+def test_the_dtype_max_inside_the_calibrated_range_stays_finite(scheme, dtype, low):
+    top = torch.finfo(dtype).max
+    low = -top if low is None else low
+    x = torch.tensor([low, 1.0, top], dtype=dtype)
+    fq = q.FakeQuantize(q.QSpec(q.INT8, q.PerTensor(), scheme))
+    y = fq(x)
+    assert torch.isfinite(y).all(), (y, fq.scale, fq.zero_point)
+    # the grid's two ends, as the reference dequantizes them, are finite in the dtype
+    ends = torch.tensor([-1e38, 1e38], dtype=torch.float32)
+    qmin, qmax = fq.quant_min, fq.quant_max
+    grid, _ = reference.fake_quantize_affine(ends.to(dtype), [2], fq.scale, fq.zero_point, qmin, qmax)
+    assert torch.isfinite(grid).all()
+    # The top value stays near the top; the range is capped at half the fp32
+    # max (bf16's max is above it) so that hi - lo stays finite in fp32.
+    assert y[-1] >= 0.99 * min(top, torch.finfo(torch.float32).max / 2)
+
+
+def test_the_fp16_grid_keeps_the_issue_example_in_range():
+    # [-100, 65504] with torch's asymmetric qparams puts the top code at
+    # (127 + 128) * 257.27 = 65604: +Inf in fp16 before the fix.
+    x = torch.tensor([-100.0, 65504.0], dtype=torch.float16)
+    y = q.FakeQuantize(q.QSpec(q.INT8, q.PerTensor(), "asymmetric"))(x)
+    assert torch.isfinite(y).all() and y[1] > 65000
