@@ -24,13 +24,19 @@ from .granularity import PerChannel, PerTensor
 from .qspec import QSpec
 from .schemes import Formulation, Scheme
 
-# Buffers that only matter before convert: the observers' running range and
-# torchao's on/off switches (every buffer becomes an exported program input).
-_PREPARE_ONLY_BUFFERS = ("min_val", "max_val", "fake_quant_enabled", "observer_enabled")
+# Buffers that only matter before convert: the observers' running range, the
+# count of non-finite values they ignored and torchao's on/off switches
+# (every buffer becomes an exported program input).
+_PREPARE_ONLY_BUFFERS = ("min_val", "max_val", "nonfinite", "fake_quant_enabled", "observer_enabled")
 
 
 class UncalibratedError(RuntimeError):
     """convert_pt2e met fake-quant points that never computed qparams."""
+
+
+class NonFiniteQParamsError(ValueError):
+    """A point to be converted or exported holds a NaN or Inf qparam (or saw
+    no finite value in a block of its range)."""
 
 
 def _torch_qscheme(spec: QSpec) -> Optional[torch.qscheme]:
@@ -87,7 +93,9 @@ class FakeQuantize(FakeQuantizeBase):
     Buffers of a static point: the qparams (`scale` and `zero_point` or
     `minval`; shape ceil(x.shape / block_size), same rank as x, fp32 / int32,
     created at the first observation) and, while prepared, the running range
-    `min_val` / `max_val` of MinMax and MovingAverageMinMax observers plus
+    `min_val` / `max_val` of MinMax and MovingAverageMinMax observers, the
+    count `nonfinite` of NaN / Inf input values the observer ignored (int64,
+    not saved in the state_dict: a diagnostic, see `nonfinite_count`) plus
     torchao's `fake_quant_enabled` / `observer_enabled`. A dynamic point
     stores no qparams. Qparams stay fp32 when the model is cast to bf16.
     """
@@ -132,6 +140,7 @@ class FakeQuantize(FakeQuantizeBase):
         self._observer_on = True
         self._fake_quant_on = True
         self._frozen = False
+        self._nonfinite_at_convert: Optional[int] = None
         if not qspec.dynamic:
             for name in self._qparam_names:
                 dt = torch.int32 if name == "zero_point" else torch.float32
@@ -139,6 +148,8 @@ class FakeQuantize(FakeQuantizeBase):
             if self._observer.keeps_range:
                 self.register_buffer("min_val", torch.empty(0))
                 self.register_buffer("max_val", torch.empty(0))
+            # On the device, added to at every observation: counting must not sync.
+            self.register_buffer("nonfinite", torch.zeros((), dtype=torch.int64), persistent=False)
 
     # -- state -------------------------------------------------------------
 
@@ -151,6 +162,15 @@ class FakeQuantize(FakeQuantizeBase):
     def is_calibrated(self) -> bool:
         """True when the point has qparams to apply (always, for dynamic)."""
         return all(self._buffers[n].numel() > 0 for n in self._qparam_buffer_names())
+
+    @property
+    def nonfinite_count(self) -> Optional[int]:
+        """How many NaN / Inf input values the observer has ignored (kept
+        through convert); None for a dynamic point, which keeps no state.
+        Reading it syncs with the device: not for the training loop."""
+        if self.qspec.dynamic:
+            return None
+        return self._nonfinite_at_convert if self._frozen else int(self.nonfinite)
 
     def _qparam_buffer_names(self) -> tuple[str, ...]:
         return () if self.qspec.dynamic else self._qparam_names
@@ -208,6 +228,7 @@ class FakeQuantize(FakeQuantizeBase):
             self._store("max_val", hi)
         for name, value in qparams.items():
             self._store(name, value)
+        self.nonfinite.add_(torch.isfinite(x).logical_not().sum())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qspec.dynamic:
@@ -248,6 +269,9 @@ class FakeQuantize(FakeQuantizeBase):
         """convert_pt2e calls this for every point instead of rewriting it into
         q/dq ops. The node stays; the module freezes."""
         check_calibrated(model)
+        check_finite(model)
+        if "nonfinite" in self._buffers:  # once, at convert: the report still shows it after
+            self._nonfinite_at_convert = int(self.nonfinite)
         self._frozen = True
         self._observer_on = False
         for name in _PREPARE_ONLY_BUFFERS:
@@ -289,22 +313,61 @@ class FakeQuantize(FakeQuantizeBase):
         )
 
 
+def _where(model: torch.nn.Module):
+    """path -> " between 'src' and [users]": where each point sits in the
+    graph of `model` ("" for a module with no graph)."""
+    graph = getattr(model, "graph", None)
+    nodes = {n.target: n for n in graph.nodes if n.op == "call_module"} if graph is not None else {}
+
+    def where(path: str) -> str:
+        node = nodes.get(path)
+        if node is None:
+            return ""
+        src = node.args[0].name if node.args and isinstance(node.args[0], torch.fx.Node) else "?"
+        return f" between '{src}' and {sorted(u.name for u in node.users)}"
+
+    return where
+
+
+def nonfinite_entry(name: str, t: torch.Tensor) -> Optional[str]:
+    """`name[i] = v` for the first NaN / Inf element of t (flat index), or
+    None when every element is finite. Syncs: for checks, not hot paths."""
+    bad = torch.nonzero(~torch.isfinite(t.detach().reshape(-1)))
+    if bad.numel() == 0:
+        return None
+    i = int(bad[0, 0])
+    return f"{name}[{i}] = {t.reshape(-1)[i].item()}"
+
+
+def check_finite(model: torch.nn.Module) -> None:
+    """Raises NonFiniteQParamsError naming every FakeQuantize in `model`
+    with a NaN / Inf qparam or a block of its running range that never saw
+    a finite value (min_val = +inf), with the graph nodes it sits between."""
+    where = _where(model)
+    found = []
+    for path, m in model.named_modules():
+        if not isinstance(m, FakeQuantize):
+            continue
+        names = m._qparam_buffer_names() + ("min_val", "max_val")
+        bad = [e for n in names if n in m._buffers for e in [nonfinite_entry(n, m._buffers[n])] if e]
+        if bad:
+            found.append(f"{path}{where(path)} has {', '.join(bad)}")
+    if found:
+        raise NonFiniteQParamsError(
+            f"convert_pt2e: {len(found)} fake-quant point(s) have non-finite qparams or saw no finite value: "
+            f"{'; '.join(found)}; calibrate on data with finite values (NaN / Inf ones are ignored) or load "
+            "finite qparams"
+        )
+
+
 def check_calibrated(model: torch.nn.Module) -> None:
     """Raises UncalibratedError listing, by module path, every FakeQuantize in
     `model` without qparams, with the graph nodes it sits between."""
     missing = [(path, m) for path, m in model.named_modules() if isinstance(m, FakeQuantize) and not m.is_calibrated]
     if not missing:
         return
-    graph = getattr(model, "graph", None)
-    nodes = {n.target: n for n in graph.nodes if n.op == "call_module"} if graph is not None else {}
-    lines = []
-    for path, m in missing:
-        where = ""
-        node = nodes.get(path)
-        if node is not None:
-            src = node.args[0].name if node.args and isinstance(node.args[0], torch.fx.Node) else "?"
-            where = f" between '{src}' and {sorted(u.name for u in node.users)}"
-        lines.append(f"  {path}: {m.qspec}{where}")
+    where = _where(model)
+    lines = [f"  {path}: {m.qspec}{where(path)}" for path, m in missing]
     raise UncalibratedError(
         f"{len(missing)} fake-quant point(s) never saw data; calibrate the prepared model (or load a "
         "calibrated state_dict) before convert_pt2e:\n" + "\n".join(lines)

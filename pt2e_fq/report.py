@@ -6,9 +6,10 @@ off) and records every pt2e_fq op call with its arguments and outputs, so
 each row shows what the point really applied to these inputs, dynamic points
 included: one row per fake-quant point with its module path, role (input /
 weight / output of which op), format, granularity, scale and zero-point
-ranges, the share of elements clipped (from the op's clamp mask) and the SQNR
-of the fake-quantized tensor against its float input. A summary compares the
-float and quantized weight bytes.
+ranges, the share of elements clipped (from the op's clamp mask), the SQNR
+of the fake-quantized tensor against its float input (over its finite
+elements) and how many NaN / Inf values the point's observer ignored while
+calibrating. A summary compares the float and quantized weight bytes.
 
 A program (`pt2e_fq.load(path)`, any ExportedProgram) has op calls where a
 model has FakeQuantize modules: each call is a point, named after the FakeQuantize
@@ -31,12 +32,12 @@ from tabulate import tabulate
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .fake_quantize import FakeQuantize
+from .fake_quantize import FakeQuantize, NonFiniteQParamsError, nonfinite_entry
 from .format_kinds import INTEGER, SCALED_FLOAT, OpCall
 from .formats import IntFormat
 from .granularity import PerBlock, PerChannel, PerGroup, PerTensor
 from .inputs import as_args
-from .op_call import decode, decode_node
+from .op_call import decode, decode_node, is_fake_quant_node, program_constants
 from .ops import unpack_mask
 from .schemes import Formulation
 
@@ -129,7 +130,10 @@ def _range(t: Optional[torch.Tensor]):
 
 
 def _sqnr_db(x: torch.Tensor, y: torch.Tensor) -> float:
-    x64, err = x.double(), (x.double() - y.double())
+    # Over the finite inputs: a NaN / Inf element has no quantization error to measure.
+    finite = torch.isfinite(x)
+    x64 = x[finite].double()
+    err = x64 - y[finite].double()
     noise = float((err * err).sum())
     if noise == 0:
         return math.inf
@@ -141,7 +145,8 @@ class Report:
     """rows: one dict per fake-quant point (keys: point, module, role, format,
     granularity, scale, zero_point, minval ((min, max) or None), clipped
     (fraction), sqnr_db; clipped and sqnr_db are None for a point that did not
-    run, e.g. with fake quant disabled); weight bytes
+    run, e.g. with fake quant disabled; nonfinite: the NaN / Inf values its
+    observer ignored, None where unknown: a dynamic point, a program); weight bytes
     of all parameters in float, and with the quantized weights at their
     format's width plus their qparams."""
 
@@ -150,12 +155,12 @@ class Report:
     quantized_weight_bytes: float = 0.0
 
     def add(self, point: str, module_and_role: tuple[str, str], fmt: str, granularity: str, bits: float,
-            call: Optional[tuple], x: Optional[torch.Tensor]) -> None:
+            call: Optional[tuple], x: Optional[torch.Tensor], nonfinite: Optional[int] = None) -> None:
         """One row, from the point's op call (op, arguments, outputs) on its
         input x; call None: the point did not run."""
         module_path, point_role = module_and_role
         row = dict(point=point, module=module_path, role=point_role, format=fmt, granularity=granularity,
-                   scale=None, zero_point=None, minval=None, clipped=None, sqnr_db=None)
+                   scale=None, zero_point=None, minval=None, clipped=None, sqnr_db=None, nonfinite=nonfinite)
         if call is not None:
             func, op_args, out = call
             x, y, packed = x.detach(), out[0], out[1]
@@ -180,10 +185,12 @@ class Report:
                 fmt_range(r["zero_point"], 6) if r["minval"] is None else "minval " + fmt_range(r["minval"]),
                 "not run" if r["clipped"] is None else f"{100 * r['clipped']:.2f}%",
                 "" if r["sqnr_db"] is None else f"{r['sqnr_db']:.1f}",
+                "" if r["nonfinite"] is None else f"{r['nonfinite']:,}",
             ]
             for r in self.rows
         ]
-        headers = ["point", "module", "role", "format", "granularity", "scale", "zero point", "clipped", "SQNR dB"]
+        headers = ["point", "module", "role", "format", "granularity", "scale", "zero point", "clipped", "SQNR dB",
+                   "NaN/Inf ignored"]
         ratio = self.quantized_weight_bytes / self.float_weight_bytes if self.float_weight_bytes else float("nan")
         summary = (
             f"weights: {self.float_weight_bytes:,} bytes in float, {self.quantized_weight_bytes:,.0f} bytes "
@@ -225,7 +232,7 @@ def report(model, example_inputs=None, *, file=sys.stdout) -> Report:
         x = run.inputs.get(name)
         call = calls.calls.get(name) if x is not None else None
         result.add(name, role(node), _format(spec), repr(spec.granularity) + (" dynamic" if spec.dynamic else ""),
-                   spec.format.bits, call, x)
+                   spec.format.bits, call, x, m.nonfinite_count)
     if file is not None:
         print(result.table(), file=file)
     return result
@@ -326,3 +333,27 @@ def _format(spec) -> str:
         if spec.formulation is Formulation.MINVAL:
             text += " minval"
     return text
+
+
+def check_finite_qparams(program: torch.export.ExportedProgram, who: str) -> None:
+    """Raises NonFiniteQParamsError naming (FakeQuantize path, module and
+    role) every fake-quant call of `program` whose constant qparams hold a
+    NaN or Inf: such a file would compute NaN (or refuse to run) for every
+    input. `who` names the caller in the message (e.g. "save", "to_onnx").
+    Computed qparams (dynamic points) are not constants and not checked."""
+    constants = program_constants(program)
+    found = []
+    for node in program.graph.nodes:
+        if not is_fake_quant_node(node):
+            continue
+        call = decode_node(node, constants)
+        bad = [e for n, t in call.qparams.items() if isinstance(t, torch.Tensor) for e in [nonfinite_entry(n, t)] if e]
+        if bad:
+            value = next((u for u in node.users if u.target is operator.getitem and u.args[1] == 0), node)
+            module_path, point_role = _role(node.args[0], value)
+            found.append(f"{_point_name(node)} ({module_path or 'model'}: {point_role}) has {', '.join(bad)}")
+    if found:
+        raise NonFiniteQParamsError(
+            f"{who}: {len(found)} fake-quant point(s) have non-finite qparams: {'; '.join(found)}; "
+            "recalibrate on data with finite values or set finite qparams before exporting"
+        )

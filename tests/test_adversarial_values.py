@@ -8,15 +8,21 @@ under test.
 
 from __future__ import annotations
 
+import io
 import math
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from quantized_models import batch, fake_quant_nodes, ptq
+from torch.fx.experimental.proxy_tensor import make_fx
+from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
 import pt2e_fq as q
 from pt2e_fq import reference
+from pt2e_fq.fake_quantize import NonFiniteQParamsError
+from pt2e_fq.report import check_finite_qparams
 
 NAN, INF = float("nan"), float("inf")
 
@@ -160,3 +166,96 @@ def test_the_fp16_grid_keeps_the_issue_example_in_range():
     x = torch.tensor([-100.0, 65504.0], dtype=torch.float16)
     y = q.FakeQuantize(q.QSpec(q.INT8, q.PerTensor(), "asymmetric"))(x)
     assert torch.isfinite(y).all() and y[1] > 65000
+
+
+# ---------------------------------------------------------------------------
+# Item 5: observers count the NaN / Inf they ignore (shown in the report); a
+# point with non-finite qparams is never converted nor exported
+
+
+INT8_ACT = q.QSpec(q.INT8, q.PerTensor(), "asymmetric")
+INT8_W = q.QSpec(q.INT8, q.PerChannel(0), "symmetric_narrow")
+
+
+def _input_point(gm) -> str:
+    """The fake-quant module reading the graph's input."""
+    return next(n.target for n in fake_quant_nodes(gm) if n.args[0].op == "placeholder")
+
+
+def _with_nonfinite_input(seed: int) -> tuple[torch.Tensor, int]:
+    x = batch(seed)
+    flat = x.view(-1)
+    flat[[3, 50, 77]] = torch.tensor([NAN, INF, -INF])
+    flat[100:105] = NAN
+    return x, 8
+
+
+def test_observers_count_what_they_ignore_and_the_report_shows_it_before_and_after_convert():
+    gm = ptq(INT8_ACT, INT8_W, convert=False)
+    point = _input_point(gm)
+    x, n = _with_nonfinite_input(11)
+    gm(x)
+    fq = gm.get_submodule(point)
+    assert fq.nonfinite_count == n
+    # the range is that of every finite value seen: ptq's batches 1..4 and batch 11's finite ones
+    seen = torch.cat([batch(s).flatten() for s in range(1, 5)] + [x[torch.isfinite(x)]])
+    assert (fq.min_val.item(), fq.max_val.item()) == (seen.min().item(), seen.max().item())
+    rows = {r["point"]: r for r in q.report(gm, (batch(12),), file=None).rows}
+    assert rows[point]["nonfinite"] == n
+    weight = next(r for r in rows.values() if r["role"].startswith("weight"))
+    assert weight["nonfinite"] == 0
+    converted = convert_pt2e(gm)
+    out = io.StringIO()
+    rows = {r["point"]: r for r in q.report(converted, (batch(12),), file=out).rows}
+    assert rows[point]["nonfinite"] == n
+    assert "NaN/Inf ignored" in out.getvalue()
+
+
+def test_counting_stays_on_the_device():
+    # A host sync (.item(), a branch on a value) cannot be traced with fake tensors.
+    fq = q.FakeQuantize(INT8_ACT)
+    fq(f32(1.0, 2.0))
+    graph = make_fx(fq, tracing_mode="fake", _allow_non_fake_inputs=True)(f32(NAN, 1.0, 3.0))
+    assert any(n.target is torch.ops.aten.add_.Tensor for n in graph.graph.nodes)
+
+
+def test_convert_refuses_a_point_with_a_nan_scale_and_names_it():
+    gm = ptq(INT8_ACT, INT8_W, convert=False)
+    point = _input_point(gm)
+    gm.get_submodule(point).scale.fill_(NAN)  # e.g. from a state_dict saved before the observer fix
+    with pytest.raises(NonFiniteQParamsError) as err:
+        convert_pt2e(gm)
+    text = str(err.value)
+    assert "\n" not in text
+    assert f"1 fake-quant point(s) have non-finite qparams" in text
+    assert f"{point} between 'x' and " in text and "scale[0] = nan" in text
+
+
+def test_convert_refuses_a_point_that_saw_no_finite_value():
+    gm = ptq(INT8_ACT, INT8_W, convert=False)
+    point = _input_point(gm)
+    fresh = q.FakeQuantize(INT8_ACT)
+    fresh(torch.full((2, 3, 6, 6), NAN))
+    gm.get_submodule(point).load_state_dict(fresh.state_dict())
+    with pytest.raises(NonFiniteQParamsError, match=rf"{point} between .* has min_val\[0\] = inf, max_val\[0\] = -inf"):
+        convert_pt2e(gm)
+
+
+def _converted_with_nan_scale():
+    gm = ptq(INT8_ACT, INT8_W)
+    point = _input_point(gm)
+    gm.get_submodule(point).scale.fill_(NAN)  # changed after convert
+    return gm, point
+
+
+def test_the_export_check_names_a_program_point_with_a_nan_scale():
+    gm, point = _converted_with_nan_scale()
+    ep = torch.export.export(gm, (batch(0),))
+    with pytest.raises(NonFiniteQParamsError) as err:
+        check_finite_qparams(ep, "save")
+    text = str(err.value)
+    assert "\n" not in text
+    assert text.startswith("save: 1 fake-quant point(s) have non-finite qparams: ")
+    assert f"{point} (" in text and "input of conv2d" in text and "scale[0] = nan" in text
+    gm.get_submodule(point).scale.fill_(0.5)
+    check_finite_qparams(torch.export.export(gm, (batch(0),)), "save")  # finite: passes
