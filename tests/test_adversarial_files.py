@@ -39,6 +39,7 @@ OLD = b"a good file from an earlier run"
 FULL = Path("/dev/full")
 needs_dev_full = pytest.mark.skipif(not FULL.is_char_device(), reason="no /dev/full on this system")
 ENOSPC = os.strerror(errno.ENOSPC)
+KEPT = "the file already there is unchanged"
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,7 @@ def test_a_failed_pt2_write_keeps_the_old_file(converted, tmp_path, monkeypatch)
     model, x = converted
     path = _old_file(tmp_path / "model.pt2")
     monkeypatch.setattr(torch.export, "save", _failing_writer(".pt2"))
-    with pytest.raises(WriteError, match=rf"^cannot write {str(path)!r}: {ENOSPC}; the file already there is unchanged$"):
+    with pytest.raises(WriteError, match=rf"^cannot write {str(path)!r}: {ENOSPC}; {KEPT}$"):
         pt2e_fq.save(model, (x,), path)
     assert path.read_bytes() == OLD
     assert _entries(tmp_path) == {"model.pt2"}  # no temporary file left behind
@@ -93,7 +94,7 @@ def test_a_failed_onnx_write_keeps_the_old_file(converted, tmp_path, monkeypatch
     model, x = converted
     path = _old_file(tmp_path / "model.onnx")
     monkeypatch.setattr(torch.onnx.ONNXProgram, "save", _failing_writer(".onnx"))
-    with pytest.raises(WriteError, match=rf"^cannot write {str(path)!r}: {ENOSPC}; the file already there is unchanged$"):
+    with pytest.raises(WriteError, match=rf"^cannot write {str(path)!r}: {ENOSPC}; {KEPT}$"):
         to_onnx(model, (x,), path)
     assert path.read_bytes() == OLD
     assert _entries(tmp_path) == {"model.onnx"}
@@ -207,7 +208,7 @@ def test_cli_quantize_failed_write_keeps_the_old_file(tmp_path, monkeypatch, cap
                    "--no-progress", "--out", str(path)])
     err = capsys.readouterr().err
     assert rc == 1
-    assert err == f"pt2e-fq quantize: error: cannot write {str(path)!r}: {ENOSPC}; the file already there is unchanged\n"
+    assert err == f"pt2e-fq quantize: error: cannot write {str(path)!r}: {ENOSPC}; {KEPT}\n"
     assert path.read_bytes() == OLD and _entries(tmp_path) == {"model.pt2"}
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -111,7 +112,10 @@ def test_quantize_argument_errors(capsys, args, message):
         (["--qat-steps", "-1", "--preset", "w8a8"], "argument --qat-steps: expected an integer >= 0, got '-1'"),
         (["--qat-steps", "ten", "--preset", "w8a8"], "argument --qat-steps: expected an integer >= 0, got 'ten'"),
         ([], "one of the arguments --preset --config is required"),
-        (["--preset", "w8a8", "--lr", "-0.1"], "argument --lr: expected a finite number > 0, got '-0.1'"),
+        (["--preset", "w8a8", "--lr", "-0.1"],
+         "argument --lr: expected a number > 0 and at most 3.403e+38 (float32), got '-0.1'"),
+        (["--preset", "w8a8", "--lr", "1e39"],
+         "argument --lr: expected a number > 0 and at most 3.403e+38 (float32), got '1e39'"),
     ],
 )
 def test_quantize_argparse_errors(capsys, args, message):
@@ -266,3 +270,153 @@ def test_demo_end_to_end(tmp_path):
     assert table in result.stdout and "x float" in table
     assert "points bit-exact in ONNX Runtime" in result.stdout
     assert "weight of conv2d" in (tmp_path / "qat_w4a8_report.txt").read_text()
+
+
+# -- issue 16, item 17: every error is one line naming the argument, found before any work ----------
+
+
+class DataDependent(torch.nn.Module):
+    """torch.export cannot export it: a branch on a tensor's value."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return self.fc(x)
+        return self.fc(-x)
+
+
+class Opaque:
+    """Not a tensor: torch.load(weights_only=True) refuses it."""
+
+
+def _one_line_error(capsys, status, *args) -> str:
+    rc, _, err = _main(capsys, *args)
+    assert rc == status, err
+    assert err.endswith("\n") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err[:-1]
+
+
+def _saved(tmp_path, name, value) -> str:
+    path = tmp_path / name
+    torch.save(value, path)
+    return str(path)
+
+
+def test_example_input_errors_are_one_line_before_any_work(capsys, tmp_path):
+    """cli_models:broken (its factory raises) shows that no model was built."""
+    broken = ["quantize", "--model", "cli_models:broken", "--preset", "w8a8"]
+    err = _one_line_error(capsys, 2, *broken, "--example-input", "0x16")
+    assert err == ("pt2e-fq quantize: error: --example-input: '0x16' has a dimension of size 0 (an empty input, "
+                   "nothing to calibrate on); every dimension must be >= 1")
+    err = _one_line_error(capsys, 2, *broken, "--example-input", "100000000x100000000")
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert err == (f"pt2e-fq quantize: error: --example-input: '100000000x100000000' needs {4 * 10**16:,} bytes of "
+                   f"float32, more than this machine's {memory:,} bytes of memory; give smaller shapes")
+    empty = _saved(tmp_path, "empty.pt", (torch.zeros(0, 16),))
+    err = _one_line_error(capsys, 2, *broken, "--example-input", empty)
+    assert err == (f"pt2e-fq quantize: error: --example-input: input 0 of {empty!r} is empty (shape (0, 16)); "
+                   "every dimension must be >= 1")
+    opaque = _saved(tmp_path, "opaque.pt", {"x": Opaque()})
+    err = _one_line_error(capsys, 2, *broken, "--example-input", opaque)
+    assert err == (f"pt2e-fq quantize: error: --example-input: {opaque!r} holds a {__name__}.Opaque; the file may "
+                   "hold only tensors, in tuples, lists or dicts (it is read with torch.load(weights_only=True), "
+                   "which runs no code from it)")
+    assert "weights_only=False" not in err
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (torch.zeros(0, 16), "batch 0 of {path!r} is empty (shapes [(0, 16)]); calibration needs at least one sample "
+                             "per batch"),
+        ([torch.ones(4, 16), torch.zeros(0, 16)],
+         "batch 1 of {path!r} is empty (shapes [(0, 16)]); calibration needs at least one sample per batch"),
+        (torch.tensor(1.0), "{path!r} holds a 0-dim tensor (one number); expected a tensor whose first dimension is "
+                            "the batch, or a list of batches"),
+        (torch.ones(16, 16).index_put_((torch.tensor([1, 2, 9]), torch.tensor([0, 5, 5])),
+                                       torch.tensor([float("nan"), float("inf"), -float("inf")])),
+         "batch 0 of {path!r} holds 2 NaN or infinite value(s); calibration data must be finite"),
+    ],
+    ids=["empty-tensor", "empty-batch", "0-dim", "non-finite"],
+)
+def test_calib_data_errors_are_one_line(capsys, tmp_path, value, message):
+    """Each was a ZeroDivisionError, a split error or a NaN `scale` error
+    from deep in the flow. (The non-finite tensor splits into batches of 8:
+    rows 1 and 2 in batch 0, row 9 in batch 1; the first is reported.)"""
+    path = _saved(tmp_path, "calib.pt", value)
+    err = _one_line_error(capsys, 2, *QUANTIZE, "--preset", "w8a8", "--calib-data", path)
+    assert err == f"pt2e-fq quantize: error: --calib-data: {message.format(path=path)}"
+
+
+def test_a_diverging_lr_is_named(capsys):
+    """Was a `scale must be finite` ValueError from a fake-quant op."""
+    err = _one_line_error(capsys, 2, *QUANTIZE, "--preset", "w8a8", "--qat-steps", "5", "--lr", "1e30")
+    assert re.fullmatch(r"pt2e-fq quantize: error: --lr: QAT diverged \(QAT: (the loss became (nan|inf)|parameter "
+                        r"\S+ became NaN or infinite) at step \d+\) at --lr 1e\+30; give a smaller --lr", err), err
+
+
+@pytest.mark.parametrize("flag, name", [("--out", "m.pt2"), ("--onnx", "m.onnx")])
+def test_output_paths_are_checked_before_any_work(capsys, tmp_path, flag, name):
+    broken = ["quantize", "--model", "cli_models:broken", "--example-input", "8x16", "--preset", "w8a8"]
+    missing = tmp_path / "no" / name
+    err = _one_line_error(capsys, 2, *broken, flag, str(missing))
+    assert err == (f"pt2e-fq quantize: error: {flag}: cannot write {str(missing)!r}: no folder "
+                   f"{str(missing.parent)!r}; create it first")
+    folder = tmp_path / name
+    folder.mkdir()
+    err = _one_line_error(capsys, 2, *broken, flag, str(folder))
+    assert err == f"pt2e-fq quantize: error: {flag}: cannot write {str(folder)!r}: it is a folder; give a file name"
+
+
+def test_model_errors_are_one_line(capsys, tmp_path, monkeypatch):
+    err = _one_line_error(capsys, 2, "quantize", "--model", "..x:y", "--example-input", "8x16", "--preset", "w8a8")
+    assert err == ("pt2e-fq quantize: error: --model: expected MODULE:FACTORY, each a dotted Python name "
+                   "(e.g. mypkg.models:build), got '..x:y'")
+    (tmp_path / "raises_at_import.py").write_text("raise RuntimeError('boom at import')\n")
+    monkeypatch.chdir(tmp_path)  # the current folder is importable
+    err = _one_line_error(capsys, 2, "quantize", "--model", "raises_at_import:build", "--example-input", "8x16",
+                          "--preset", "w8a8")
+    assert err == ("pt2e-fq quantize: error: --model: importing 'raises_at_import' failed: RuntimeError: "
+                   "boom at import")
+
+
+def test_a_model_torch_export_rejects_is_one_line_in_a_fresh_process():
+    """torch.export printed the partial graph (twice) and a multi-line report."""
+    result = run_cli("quantize", "--model", "test_cli:DataDependent", "--example-input", "8x16", "--preset", "w8a8",
+                     "--no-progress")
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "def forward" not in result.stderr, result.stderr
+    assert result.stderr.startswith(
+        f"pt2e-fq quantize: error: --model: torch.export cannot export DataDependent at {TESTS / 'test_cli.py'}:")
+    assert "(if x.sum() > 0:): GuardOnDataDependentSymNode: Could not guard on data-dependent expression" in (
+        result.stderr)
+
+
+def test_demo_out_naming_a_file_is_refused_before_any_work(capsys, tmp_path):
+    path = tmp_path / "results.txt"
+    path.write_text("keep me")
+    err = _one_line_error(capsys, 2, "demo", "--out", str(path))
+    assert err == (f"pt2e-fq demo: error: --out: {str(path)!r} is a file; give a folder for the demo's files "
+                   "(created if missing)")
+    assert path.read_text() == "keep me"
+
+
+def test_argparse_and_yaml_errors_are_one_line(capsys, tmp_path):
+    err = _one_line_error(capsys, 2, *QUANTIZE, "--preset", "w8a8", "--qat-steps", "x")
+    assert err == ("pt2e-fq quantize: error: argument --qat-steps: expected an integer >= 0, got 'x' "
+                   "(see pt2e-fq quantize --help)")
+    err = _one_line_error(capsys, 2)
+    assert err == "pt2e-fq: error: the following arguments are required: COMMAND (see pt2e-fq --help)"
+    bad = _write(tmp_path / "bad.yaml", "global:\n  weight: {format: int8\n  bad: [\n")
+    err = _one_line_error(capsys, 2, *QUANTIZE, "--config", bad)
+    assert err == (f"pt2e-fq quantize: error: --config: cannot read {bad!r}: expected ',' or '}}', but got ':' "
+                   "at line 3, column 6 (while parsing a flow mapping)")
+
+
+def test_any_other_failure_is_one_line_with_exit_status_1(capsys):
+    err = _one_line_error(capsys, 1, "quantize", "--model", "cli_models:broken", "--example-input", "8x16",
+                          "--preset", "w8a8")
+    assert err == "pt2e-fq quantize: error: RuntimeError: boom: the factory failed (--traceback for details)"

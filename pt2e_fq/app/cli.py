@@ -6,8 +6,9 @@
     pt2e-fq report model.pt2
 
 A bad argument is a one-line error naming it and what is allowed, with exit
-status 2; any other failure prints its message (no traceback unless
---traceback) with exit status 1. The quantization flow (torchao) and the
+status 2, found before any work where it can be (the output paths too); any
+other failure prints one line, its type and the first line of its message
+(the traceback with --traceback), with exit status 1. The quantization flow (torchao) and the
 demo (scikit-learn) are imported only by the commands that use them.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import math
 import os
 import re
 import sys
@@ -24,10 +26,13 @@ import zipfile
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..files import WriteError
+from ..files import WriteError, check_writable
 
 PROG = "pt2e-fq"
 _SHAPE = re.compile(r"^\d+(x\d+)*$")
+_DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+# torch.load(weights_only=True) refusing a class: "Unsupported global: GLOBAL mymod.Foo was not ..."
+_UNSUPPORTED_GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)")
 
 
 class UsageError(Exception):
@@ -47,18 +52,35 @@ def _int_at_least(minimum: int):
     return parse
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # the optimizer computes in the parameters' float32
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         value = None
-    if value is None or not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    if value is None or not 0 < value <= FLOAT32_MAX:
+        raise argparse.ArgumentTypeError(f"expected a number > 0 and at most {FLOAT32_MAX:.4g} (float32), "
+                                         f"got {text!r}")
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, whose errors are one line (its own print a usage block
+    first); subcommand parsers are of the same class."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0].strip() if lines else ""
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description="Fused fake quantization for the PT2E flow.")
+    parser = _Parser(prog=PROG, description="Fused fake quantization for the PT2E flow.")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--traceback", action="store_true", help="show the Python traceback of a failure")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -109,12 +131,18 @@ def load_factory(spec: str):
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise UsageError(f"--model: expected MODULE:FACTORY (e.g. mypkg.models:build), got {spec!r}")
+    # importlib would take "..x" as a relative import and fail with a TypeError.
+    if not _DOTTED.match(module_name) or not _DOTTED.match(attr):
+        raise UsageError(f"--model: expected MODULE:FACTORY, each a dotted Python name (e.g. mypkg.models:build), "
+                         f"got {spec!r}")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         raise UsageError(f"--model: cannot import module {module_name!r} ({e})") from None
+    except Exception as e:  # the module's own code failed (a syntax error, an exception at import)
+        raise UsageError(f"--model: importing {module_name!r} failed: {type(e).__name__}: {_first_line(e)}") from None
     factory = module
     for part in attr.split("."):
         factory = getattr(factory, part, None)
@@ -142,7 +170,13 @@ def _load_pt(flag: str, path: str):
     try:
         return torch.load(path, weights_only=True)
     except Exception as e:  # pickle errors, not a torch file, ...
-        raise UsageError(f"{flag}: cannot load {path!r} with torch.load(weights_only=True): {e}") from None
+        # torch's message suggests weights_only=False, which would run code from the file: name what it holds.
+        unsupported = _UNSUPPORTED_GLOBAL.search(str(e))
+        if unsupported:
+            raise UsageError(f"{flag}: {path!r} holds a {unsupported[1]}; the file may hold only tensors, in tuples, "
+                             "lists or dicts (it is read with torch.load(weights_only=True), which runs no code "
+                             "from it)") from None
+        raise UsageError(f"{flag}: cannot load {path!r} with torch.load(weights_only=True): {_first_line(e)}") from None
 
 
 def _model_args(flag: str, path: str, value) -> tuple:
@@ -165,13 +199,29 @@ def example_inputs(text: str) -> tuple:
     import torch
 
     if text.endswith(".pt"):
-        return _model_args("--example-input", text, _load_pt("--example-input", text))
+        example = _model_args("--example-input", text, _load_pt("--example-input", text))
+        for i, t in enumerate(example):
+            if t.numel() == 0:
+                raise UsageError(f"--example-input: input {i} of {text!r} is empty (shape {tuple(t.shape)}); "
+                                 "every dimension must be >= 1")
+        return example
     shapes = text.split(",")
     if not all(_SHAPE.match(s) for s in shapes):
         raise UsageError(f"--example-input: {text!r} is neither a .pt file nor shapes; write dims joined by x "
                          "and inputs separated by commas, e.g. 1x3x32x32 or 8x16,8x4")
+    dims = [[int(d) for d in s.split("x")] for s in shapes]
+    if any(0 in shape for shape in dims):
+        raise UsageError(f"--example-input: {text!r} has a dimension of size 0 (an empty input, nothing to "
+                         "calibrate on); every dimension must be >= 1")
+    # Checked before allocating: torch would overflow its size computation or
+    # ask the allocator for petabytes.
+    needed = sum(4 * math.prod(shape) for shape in dims)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if needed > memory:
+        raise UsageError(f"--example-input: {text!r} needs {needed:,} bytes of float32, more than this machine's "
+                         f"{memory:,} bytes of memory; give smaller shapes")
     generator = torch.Generator().manual_seed(0)
-    return tuple(torch.randn([int(d) for d in s.split("x")], generator=generator) for s in shapes)
+    return tuple(torch.randn(shape, generator=generator) for shape in dims)
 
 
 def calibration_batches(path: str, example: tuple) -> list[tuple]:
@@ -180,6 +230,9 @@ def calibration_batches(path: str, example: tuple) -> list[tuple]:
 
     value = _load_pt("--calib-data", path)
     if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            raise UsageError(f"--calib-data: {path!r} holds a 0-dim tensor (one number); expected a tensor whose "
+                             "first dimension is the batch, or a list of batches")
         if len(example) != 1:
             raise UsageError(f"--calib-data: {path!r} holds one tensor but the model takes {len(example)} inputs; "
                              "save a list of batches, each a tuple of tensors")
@@ -196,6 +249,13 @@ def calibration_batches(path: str, example: tuple) -> list[tuple]:
     batch_free = [((None,) + tuple(t.shape[1:]) if t.dim() else (), t.dtype) for t in example]
     for i, batch in enumerate(batches):
         check_inputs("--calib-data", f"batch {i} of {path!r}", batch, batch_free)
+        if any(t.numel() == 0 for t in batch):
+            raise UsageError(f"--calib-data: batch {i} of {path!r} is empty (shapes "
+                             f"{[tuple(t.shape) for t in batch]}); calibration needs at least one sample per batch")
+        bad = sum(int((~torch.isfinite(t)).sum()) for t in batch if t.is_floating_point())
+        if bad:
+            raise UsageError(f"--calib-data: batch {i} of {path!r} holds {bad} NaN or infinite value(s); "
+                             "calibration data must be finite")
     return batches
 
 
@@ -248,12 +308,31 @@ def quantizer_config(args):
     except ConfigError as e:
         raise UsageError(f"--config: {args.config}: {e}") from None
     except Exception as e:  # YAML / JSON syntax
-        raise UsageError(f"--config: cannot read {args.config!r}: {e}") from None
+        raise UsageError(f"--config: cannot read {args.config!r}: {_syntax_error(e)}") from None
 
 
-def _check_suffix(flag: str, path: Optional[str], suffix: str) -> None:
-    if path is not None and not path.endswith(suffix):
+def _syntax_error(error: Exception) -> str:
+    """A YAML error on one line (PyYAML's spans several: the context, a
+    quoted excerpt, a caret); any other error's first line."""
+    import yaml
+
+    if isinstance(error, yaml.MarkedYAMLError) and error.problem_mark is not None:
+        mark = error.problem_mark
+        context = f" ({error.context})" if error.context else ""
+        return f"{error.problem} at line {mark.line + 1}, column {mark.column + 1}{context}"
+    return _first_line(error)
+
+
+def _check_output(flag: str, path: Optional[str], suffix: str) -> None:
+    """An output file's name and place, checked before any work."""
+    if path is None:
+        return
+    if not path.endswith(suffix):
         raise UsageError(f"{flag}: expected a {suffix} file name, got {path!r}")
+    try:
+        check_writable(path)
+    except WriteError as e:
+        raise UsageError(f"{flag}: {e}") from None
 
 
 # -- commands ---------------------------------------------------------------------
@@ -262,14 +341,20 @@ def _check_suffix(flag: str, path: Optional[str], suffix: str) -> None:
 def _quiet() -> None:
     """Known noise of the libraries under the commands: torch.onnx's notes
     on a missing torchvision, torch's pytree deprecation (copying a
-    GraphModule)."""
+    GraphModule), torch.export's graph dumps."""
     import warnings
 
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    # A model torch.export cannot export makes it log the whole graph before
+    # it raises; the error itself says what failed. A filter, not a level:
+    # torch's logging set-up resets this logger's level when it loads.
+    logging.getLogger("torch.fx.experimental.symbolic_shapes").addFilter(lambda r: r.levelno >= logging.ERROR)
     warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
 
 
 def cmd_demo(args) -> int:
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UsageError(f"--out: {args.out!r} is a file; give a folder for the demo's files (created if missing)")
     from . import demo
 
     demo.run(args.out, float_epochs=args.float_epochs, qat_epochs=args.qat_epochs, threads=args.threads,
@@ -278,8 +363,8 @@ def cmd_demo(args) -> int:
 
 
 def cmd_quantize(args) -> int:
-    _check_suffix("--out", args.out, ".pt2")
-    _check_suffix("--onnx", args.onnx, ".onnx")
+    _check_output("--out", args.out, ".pt2")
+    _check_output("--onnx", args.onnx, ".onnx")
     example = example_inputs(args.example_input)
     config = quantizer_config(args)
     calibration = calibration_batches(args.calib_data, example) if args.calib_data else None
@@ -291,13 +376,18 @@ def cmd_quantize(args) -> int:
             model(*example)
         except Exception as e:
             raise UsageError(f"--example-input: the model fails on inputs of shapes "
-                             f"{[tuple(t.shape) for t in example]}: {type(e).__name__}: {e}") from None
+                             f"{[tuple(t.shape) for t in example]}: {type(e).__name__}: {_first_line(e)}") from None
     from . import pipeline
     from ..export import check_onnx, save, to_onnx
     from ..report import report
 
-    converted = pipeline.quantize(model, example, config, calibration=calibration, qat_steps=args.qat_steps,
-                                  lr=args.lr, progress=not args.no_progress)
+    try:
+        converted = pipeline.quantize(model, example, config, calibration=calibration, qat_steps=args.qat_steps,
+                                      lr=args.lr, progress=not args.no_progress)
+    except pipeline.ExportError as e:
+        raise UsageError(f"--model: {e}") from None
+    except pipeline.TrainingDiverged as e:
+        raise UsageError(f"--lr: QAT diverged ({e}) at --lr {args.lr:g}; give a smaller --lr") from None
     report(converted, example, file=sys.stdout)
     batch = pipeline.batch_dynamic_shapes(example)  # the files take any batch size
     if args.out:
@@ -312,7 +402,8 @@ def cmd_quantize(args) -> int:
 
 
 def cmd_report(args) -> int:
-    _check_suffix("FILE.pt2", args.path, ".pt2")
+    if not args.path.endswith(".pt2"):
+        raise UsageError(f"FILE.pt2: expected a .pt2 file name, got {args.path!r}")
     if not Path(args.path).is_file():
         raise UsageError(f"no such file {args.path!r}")
     example = example_inputs(args.example_input) if args.example_input else None
@@ -327,7 +418,8 @@ def cmd_report(args) -> int:
     try:
         program = load(args.path)
     except Exception as e:  # not a torch.export archive, or from another torch
-        raise UsageError(f"cannot load {args.path!r} as a torch.export program: {type(e).__name__}: {e}") from None
+        raise UsageError(f"cannot load {args.path!r} as a torch.export program: "
+                         f"{type(e).__name__}: {_first_line(e)}") from None
     finally:
         export_log.setLevel(level)
     if example is not None:
@@ -358,7 +450,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.traceback:
             traceback.print_exc()
         else:
-            print(f"{PROG} {args.command}: error: {type(e).__name__}: {e}\n(run with --traceback for details)",
+            print(f"{PROG} {args.command}: error: {type(e).__name__}: {_first_line(e)} (--traceback for details)",
                   file=sys.stderr)
         return 1
 

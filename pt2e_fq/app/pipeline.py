@@ -20,6 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
+import math
+import re
+import sys
 from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
@@ -34,6 +38,30 @@ from ..inputs import as_args
 from ..fake_quantize import FakeQuantize
 
 ConfigLike = Union[str, QuantizerConfig, FakeQuantQuantizer]
+
+
+class ExportError(RuntimeError):
+    """torch.export cannot export the model: a one-line message (the
+    reason and, where torch names it, the line of the model's code); torch's
+    full report, and its partial graph, are on the chained `__cause__`."""
+
+
+class TrainingDiverged(ValueError):
+    """The loss or a trained parameter became NaN or infinite (a learning
+    rate too high, or non-finite data)."""
+
+
+# Where torch.export's message points at the model's code:
+#   File "/path/models.py", line 40, in forward\n    if x.sum() > 0:
+_USER_CODE = re.compile(r'File "([^"]+)", line (\d+), in \w+\n\s*(.+)')
+
+
+def _export_error(model: torch.nn.Module, error: Exception) -> ExportError:
+    text = str(error).strip()
+    reason = text.splitlines()[0].strip() if text else ""
+    where = _USER_CODE.search(text)
+    at = f" at {where[1]}:{where[2]} ({where[3].strip()})" if where else ""
+    return ExportError(f"torch.export cannot export {type(model).__name__}{at}: {type(error).__name__}: {reason}")
 
 
 def quantizer_for(config: ConfigLike) -> FakeQuantQuantizer:
@@ -58,10 +86,24 @@ def batch_dynamic_shapes(example_args: tuple):
 
 def export(model: torch.nn.Module, example_inputs, *, dynamic_batch: bool = True) -> torch.fx.GraphModule:
     """torch.export of `model` in its current train/eval mode, as the
-    GraphModule that prepare_pt2e takes."""
+    GraphModule that prepare_pt2e takes; an ExportError when torch.export
+    fails."""
     args = as_args(example_inputs)
     dynamic_shapes = batch_dynamic_shapes(args) if dynamic_batch else None
-    return torch.export.export(model, args, dynamic_shapes=dynamic_shapes).module()
+    # A failed torch.export prints the partial graph to stderr (once per
+    # nested tracing level), dozens of lines, before it raises; the graph
+    # stays on the chained cause (`partial_fx_graph`), and whatever else was
+    # printed is passed on.
+    printed, graph = io.StringIO(), None
+    try:
+        with contextlib.redirect_stderr(printed):
+            return torch.export.export(model, args, dynamic_shapes=dynamic_shapes).module()
+    except Exception as e:  # torch's reports run to dozens of lines; the cause keeps them
+        graph = getattr(e, "partial_fx_graph", None)
+        raise _export_error(model, e) from e
+    finally:
+        text = printed.getvalue()
+        sys.stderr.write(text if graph is None else text.replace(f"{graph}\n", ""))
 
 
 def prepare(
@@ -104,7 +146,9 @@ def train(
     sequence of (inputs, target) pairs, or a callable from the epoch number
     to such a sequence (to reshuffle); inputs is a tensor or a tuple of
     tensors, loss_fn(output, target) a scalar. Stops after `epochs` epochs
-    or `max_steps` steps."""
+    or `max_steps` steps. A loss or a trained parameter that is NaN or
+    infinite stops it with TrainingDiverged: every later step, and the
+    qparams computed from such weights, would be NaN."""
     if epochs < 1:
         raise ValueError(f"train: epochs must be >= 1, got {epochs}")
     losses = []
@@ -120,11 +164,24 @@ def train(
                 loss.backward()
                 optimizer.step()
                 losses.append(float(loss.detach()))
+                _check_finite(model, desc, losses)
                 bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
                 bar.update(1)
                 if max_steps is not None and len(losses) >= max_steps:
                     return losses
     return losses
+
+
+def _check_finite(model: torch.nn.Module, desc: str, losses: list[float]) -> None:
+    """TrainingDiverged unless the step's loss and the trained parameters
+    after it are finite. The parameters too: a step can make them infinite
+    with a finite loss, and the next forward would then fail in a
+    fake-quant op on a NaN scale, far from the cause."""
+    if not math.isfinite(losses[-1]):
+        raise TrainingDiverged(f"{desc}: the loss became {losses[-1]} at step {len(losses)}")
+    for name, p in model.named_parameters():
+        if p.requires_grad and not torch.isfinite(p).all():
+            raise TrainingDiverged(f"{desc}: parameter {name} became NaN or infinite at step {len(losses)}")
 
 
 def freeze_qat(prepared: torch.nn.Module, batch) -> torch.nn.Module:
