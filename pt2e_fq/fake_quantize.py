@@ -237,6 +237,13 @@ class FakeQuantize(FakeQuantizeBase):
             # (MX formats need nothing: the kernel scales every block itself.)
             qparams = self._range_and_qparams(x, None)[1] if self._qparam_names else {}
             return self._fake_quantize(x, qparams)
+        if x.numel() == 0:
+            # Empty in, empty out, as the float model (a shape test, not a
+            # value one): no element reads a qparam, so neither an uncalibrated
+            # point nor qparams of another shape (per-channel on the empty
+            # axis) is an error, and observing nothing leaves the state as it
+            # was (an empty range would calibrate a fresh point on nothing).
+            return x.clone()
         if self._observer_on:
             self._observe(x)
         if not self._fake_quant_on:

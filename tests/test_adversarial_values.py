@@ -259,3 +259,48 @@ def test_the_export_check_names_a_program_point_with_a_nan_scale():
     assert f"{point} (" in text and "input of conv2d" in text and "scale[0] = nan" in text
     gm.get_submodule(point).scale.fill_(0.5)
     check_finite_qparams(torch.export.export(gm, (batch(0),)), "save")  # finite: passes
+
+
+# ---------------------------------------------------------------------------
+# Item 13 (FakeQuantize): an empty batch gives an empty output and changes nothing
+
+EMPTY_SPECS = [
+    q.QSpec(q.INT8, q.PerTensor(), "asymmetric"),
+    q.QSpec(q.INT8, q.PerChannel(0), observer=q.MovingAverageMinMaxObserver(0.5)),
+    q.QSpec(q.INT8, q.PerChannel(1), observer=q.MSEObserver(num_candidates=4)),
+    q.QSpec(q.INT4, q.PerGroup(2, 1), "asymmetric", "minval"),
+    q.QSpec(q.FP8_E4M3, q.PerTensor()),
+    q.QSpec(q.NVFP4, q.PerGroup(16, 1)),
+]
+
+
+def _state(fq):
+    return {k: v.clone() for k, v in fq._buffers.items()}
+
+
+@pytest.mark.parametrize("spec", EMPTY_SPECS, ids=str)
+@pytest.mark.parametrize("calibrated", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_empty_batch_gives_an_empty_output_and_leaves_the_point_alone(spec, calibrated, dtype):
+    fq = q.FakeQuantize(spec)
+    if calibrated:
+        fq(torch.randn(4, 32, generator=torch.Generator().manual_seed(0)).to(dtype))
+    before = _state(fq)
+    for shape in [(0, 32), (4, 0)]:
+        x = torch.empty(shape, dtype=dtype, requires_grad=True)
+        y = fq(x)
+        assert y.shape == x.shape and y.dtype == dtype
+        y.sum().backward()
+        assert x.grad.shape == x.shape
+    after = _state(fq)
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before), "an empty batch changed the state"
+    assert fq.is_calibrated == calibrated
+
+
+def test_an_empty_batch_through_a_converted_point():
+    model = torch.nn.Module()
+    model.fq = q.FakeQuantize(q.QSpec(q.INT8, q.PerChannel(0)))
+    model.fq(torch.randn(4, 8))
+    model.fq.convert(model, None)
+    assert model.fq(torch.empty(0, 8)).shape == (0, 8)
