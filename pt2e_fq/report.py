@@ -148,11 +148,12 @@ class Report:
     run, e.g. with fake quant disabled; nonfinite: the NaN / Inf values its
     observer ignored, None where unknown: a dynamic point, a program); weight bytes
     of all parameters in float, and with the quantized weights at their
-    format's width plus their qparams."""
+    format's width plus their qparams; how many weight / bias points ran."""
 
     rows: list[dict] = field(default_factory=list)
     float_weight_bytes: int = 0
     quantized_weight_bytes: float = 0.0
+    quantized_weights: int = 0
 
     def add(self, point: str, module_and_role: tuple[str, str], fmt: str, granularity: str, bits: float,
             call: Optional[tuple], x: Optional[torch.Tensor], nonfinite: Optional[int] = None) -> None:
@@ -171,6 +172,7 @@ class Report:
             row["clipped"] = 1.0 - unpack_mask(packed, x.shape).float().mean().item() if x.numel() else 0.0
             row["sqnr_db"] = _sqnr_db(x, y)
             if point_role.startswith(("weight", "bias")):
+                self.quantized_weights += 1
                 self.quantized_weight_bytes += _bytes(x, bits) + qparam_bytes - x.numel() * x.element_size()
         self.rows.append(row)
 
@@ -191,12 +193,21 @@ class Report:
         ]
         headers = ["point", "module", "role", "format", "granularity", "scale", "zero point", "clipped", "SQNR dB",
                    "NaN/Inf ignored"]
-        ratio = self.quantized_weight_bytes / self.float_weight_bytes if self.float_weight_bytes else float("nan")
-        summary = (
-            f"weights: {self.float_weight_bytes:,} bytes in float, {self.quantized_weight_bytes:,.0f} bytes "
-            f"quantized ({100 * ratio:.1f}%)"
-        )
-        return tabulate(body, headers=headers) + "\n" + summary
+        return tabulate(body, headers=headers) + "\n" + self.summary()
+
+    def summary(self) -> str:
+        """The weights line; it says so where nothing is quantized (a
+        share of the float bytes only where some weight is)."""
+        float_bytes = f"{self.float_weight_bytes:,} bytes in float"
+        if not self.rows:
+            return (f"no fake-quant points: nothing is quantized (weights: {float_bytes}); report a model from "
+                    "prepare_pt2e / convert_pt2e, or a program saved from one")
+        if not self.quantized_weights:
+            return f"weights: {float_bytes}, none quantized (activations only)"
+        text = f"weights: {float_bytes}, {self.quantized_weight_bytes:,.0f} bytes quantized"
+        if self.float_weight_bytes:  # weights may be constants, not parameters: then no share
+            text += f" ({100 * self.quantized_weight_bytes / self.float_weight_bytes:.1f}%)"
+        return text
 
 
 def report(model, example_inputs=None, *, file=sys.stdout) -> Report:

@@ -161,3 +161,47 @@ def test_a_program_without_example_inputs_needs_them():
     with pytest.raises(ValueError, match="saved without example inputs; pass example_inputs"):
         q.report(program, file=None)
     assert q.report(program, (torch.randn(2, 64),), file=None).rows == []  # no fake-quant point
+
+
+# ---------------------------------------------------------------------------
+# Nothing (or no weight) quantized: the summary says so instead of "(nan%)" or "100.0%"
+
+
+class _ReluOnly(torch.nn.Module):
+    def forward(self, x):
+        return torch.relu(x)
+
+
+def test_a_float_model_or_program_reports_that_nothing_is_quantized():
+    x = torch.randn(2, 64)
+    cases = [
+        (torch.export.export(_ReluOnly(), (x,)).module(), (x,), 0),
+        (torch.export.export(_MLP(), (x,)).module(), (x,), (64 * 64 + 64 + 8 * 64 + 8) * 4),
+        (torch.export.export(_MLP(), (x,)), None, (64 * 64 + 64 + 8 * 64 + 8) * 4),
+    ]
+    for model, inputs, float_bytes in cases:
+        out = io.StringIO()
+        result = q.report(model, inputs, file=out)
+        assert result.rows == []
+        last = out.getvalue().strip().splitlines()[-1]
+        assert last == (
+            f"no fake-quant points: nothing is quantized (weights: {float_bytes:,} bytes in float); report a model "
+            "from prepare_pt2e / convert_pt2e, or a program saved from one"
+        )
+
+
+def test_activations_only_report_no_quantized_weights():
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    from quantizers import FakeQuantQuantizer, OpConfig, QuantizerConfig
+
+    act = q.QSpec(q.INT8, q.PerTensor(), "asymmetric")
+    x = torch.randn(2, 64)
+    gm = torch.export.export(_MLP(), (x,)).module()
+    gm = prepare_pt2e(gm, FakeQuantQuantizer(QuantizerConfig(OpConfig(input_activation=act, output_activation=act))))
+    gm(x)
+    out = io.StringIO()
+    result = q.report(convert_pt2e(gm), (x,), file=out)
+    assert result.rows and all(not r["role"].startswith("weight") for r in result.rows)
+    float_bytes = (64 * 64 + 64 + 8 * 64 + 8) * 4
+    assert out.getvalue().strip().splitlines()[-1] == f"weights: {float_bytes:,} bytes in float, none quantized (activations only)"
