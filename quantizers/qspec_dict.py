@@ -104,6 +104,10 @@ def _named_dataclass_from(where: str, what: str, value, names: dict):
             f"{where}: a {what} is a name or a mapping with a 'type' key, got {value!r}; "
             f"allowed types: {_allowed(names)}"
         )
+    if not isinstance(name, str):  # a list or mapping is unhashable: `name in names` would be a bare TypeError
+        raise ConfigError(
+            f"{where}.type: a {what} type is one name, got {type(name).__name__} {name!r}; allowed: {_allowed(names)}"
+        )
     if name not in names:
         raise ConfigError(f"{where}: unknown {what} {name!r}; allowed: {_allowed(names)}")
     cls = names[name]

@@ -48,6 +48,17 @@ def _qparam_shape(spec: QSpec, shape) -> tuple:
     return tuple(reduced_shape(shape, spec.range_granularity.block_size(shape)))
 
 
+def _is_dynamic(size) -> bool:
+    """A size that varies: a symbol of torch.export's dynamic shapes (a
+    SymInt whose expression has free symbols; ceil(s / s) simplifies to 1)."""
+    return isinstance(size, torch.SymInt) and bool(size.node.expr.free_symbols)
+
+
+def _shape_text(shape) -> str:
+    """A shape with its dynamic sizes as '*' (their symbols mean nothing to a user)."""
+    return "(" + ", ".join("*" if _is_dynamic(s) else str(int(s)) for s in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
 class FakeQuantQuantizer(Quantizer):
     """Annotates linear, conv, conv_transpose, matmul/bmm, embedding, add,
     mul, cat and stack nodes as `config` says (see quantizers.patterns for
@@ -117,6 +128,12 @@ class FakeQuantQuantizer(Quantizer):
             qparams = _qparam_shape(spec, shape)
         except ValueError as e:
             return f"{spec} does not fit a tensor of shape {shape}: {e}"
+        if not spec.dynamic and any(_is_dynamic(r) for r in qparams):
+            dims = [d for d, s in enumerate(shape) if _is_dynamic(s)]
+            return (f"{spec} is static, but its qparams (shape {_shape_text(qparams)}) follow the dynamic "
+                    f"dimension(s) {dims} of the tensor (shape {_shape_text(shape)}), so it would fail at another "
+                    "size; use a granularity whose qparams do not depend on them (PerTensor, PerChannel or PerGroup "
+                    "on a static axis) or dynamic=True")
         if point.shared_with is not None and not spec.dynamic:
             root = point.shared_with if isinstance(point.shared_with, Node) else point.shared_with[0]
             root_qparams = _qparam_shape(spec, _tensor_shape_dtype(root)[0])

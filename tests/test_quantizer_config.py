@@ -177,3 +177,61 @@ def test_a_yaml_key_that_is_not_a_string_is_refused(tmp_path, section):
     if section in ("module_name", "module_name_regex"):  # quoted, it is the module path "0"
         resolution = QuantizerConfig.load(path).resolve("linear", [("0", "torch.nn.Linear")])
         assert resolution.config is None and resolution.rule.endswith("'0'")
+
+
+# ---------------------------------------------------------------------------
+# Issue 16, item 19: a type that is not a name; static qparams on a dynamic dimension
+
+
+@pytest.mark.parametrize("field, kind, allowed", [
+    ("granularity", "granularity", "per_tensor, per_channel, per_group, per_block, per_token"),
+    ("observer", "observer", "min_max, moving_average_min_max, mse, current_min_max"),
+])
+@pytest.mark.parametrize("value", [["per_tensor"], {"name": "x"}, 3])
+def test_a_type_that_is_not_a_name_is_a_config_error(tmp_path, field, kind, allowed, value):
+    d = {"global": {"input_activation": {"format": "int8", field: {"type": value}}}}
+    with pytest.raises(ConfigError) as err:
+        QuantizerConfig.from_dict(d)
+    assert str(err.value) == (f"global.input_activation.{field}.type: a {kind} type is one name, got "
+                              f"{type(value).__name__} {value!r}; allowed: {allowed}")
+
+
+class _Linear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("granularity, qparams", [(q.PerChannel(0), "(*, 1)"), (q.PerGroup(2, 0), "(*, 8)"),
+                                                  (q.PerBlock((2, 8)), "(*, 1)")])
+def test_static_qparams_on_the_dynamic_batch_axis_fail_validation(granularity, qparams):
+    import torch
+    from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
+
+    from quantizers import FakeQuantQuantizer, UnsupportedQuantizationError
+
+    x = torch.randn(4, 8)
+    gm = torch.export.export(_Linear(), (x,), dynamic_shapes=({0: torch.export.Dim("batch")},)).module()
+    spec = q.QSpec(q.INT8, granularity)
+    with pytest.raises(UnsupportedQuantizationError) as err:
+        prepare_pt2e(gm, FakeQuantQuantizer(QuantizerConfig(OpConfig(input_activation=spec))))
+    assert (f"input 'x' of node 'linear' (aten.linear.default) in module 'fc' (Linear): {spec} is static, but its "
+            f"qparams (shape {qparams}) follow the dynamic dimension(s) [0] of the tensor (shape (*, 8)), so it "
+            "would fail at another size") in str(err.value)
+
+
+@pytest.mark.parametrize("spec", [q.QSpec(q.INT8, q.PerTensor()), q.QSpec(q.INT8, q.PerChannel(1)),
+                                  q.QSpec(q.INT8, q.PerToken(), dynamic=True)])
+def test_qparams_that_do_not_follow_the_dynamic_axis_run_at_every_batch_size(spec):
+    import torch
+    from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
+
+    from quantizers import FakeQuantQuantizer
+
+    gm = torch.export.export(_Linear(), (torch.randn(4, 8),), dynamic_shapes=({0: torch.export.Dim("batch")},)).module()
+    prepared = prepare_pt2e(gm, FakeQuantQuantizer(QuantizerConfig(OpConfig(input_activation=spec))))
+    for batch in (4, 3, 9):
+        assert prepared(torch.randn(batch, 8)).shape == (batch, 4)
