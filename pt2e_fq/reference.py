@@ -3,6 +3,14 @@
 It defines the numerics the kernels must reproduce bit for bit: fp32
 arithmetic, IEEE division, round half to even, the clamp mask on the unclamped
 q, NaN through, +-Inf saturating. Tests compare the kernels against it.
+
+Bit for bit except inside NaNs: which elements are NaN is semantics, the
+sign and payload bits of an output NaN are not. The kernels' NaN bits come
+from their fp32 arithmetic and their own narrowing to fp16 / bf16 (on CPU: an
+fp32 NaN input passes quieted with its payload, a NaN narrowed to fp16 keeps
+its sign, a NaN scale gives the canonical 0x7fc00000); this reference's come
+from torch's casts (its FP8 cast returns 0x7ff00000, its fp16 narrowing
+0x7fff). Compare NaNs as NaNs (`equal_nan=True`), as the tests do.
 """
 
 from __future__ import annotations
@@ -86,7 +94,8 @@ def _to_blocks(x: torch.Tensor, block_size: int, axis: int) -> torch.Tensor:
     t = x.float().movedim(axis, -1)
     pad = (-t.shape[-1]) % block_size
     t = torch.nn.functional.pad(t, (0, pad))
-    return t.reshape(*t.shape[:-1], -1, block_size)
+    # The block count spelled out: reshape cannot infer a -1 when another dimension is 0.
+    return t.reshape(*t.shape[:-1], t.shape[-1] // block_size, block_size)
 
 
 def _from_blocks(t: torch.Tensor, like: torch.Tensor, axis: int) -> torch.Tensor:
@@ -120,8 +129,11 @@ def fake_quantize_mx(x: torch.Tensor, dtype: torch.dtype, block_size: int = 32, 
 
 
 def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
-    """max|x| / (fmax(E4M3) * fmax(E2M1)), and 1 where that is 0 or Inf."""
-    g = x.float().abs().amax() / (ELEMENTS["e4m3"].fmax * ELEMENTS["e2m1"].fmax)
+    """max|x| / (fmax(E4M3) * fmax(E2M1)), and 1 where that is 0 or Inf (an
+    empty x has max|x| = 0); one NaN in x makes it NaN."""
+    # A 0 joins the values: max |x| is unchanged, and an empty x has a maximum.
+    amax = torch.cat([x.float().abs().reshape(-1), x.new_zeros(1, dtype=torch.float32)]).amax()
+    g = amax / (ELEMENTS["e4m3"].fmax * ELEMENTS["e2m1"].fmax)
     return torch.where((g == 0) | torch.isinf(g), torch.ones_like(g), g)
 
 

@@ -304,3 +304,121 @@ def test_an_empty_batch_through_a_converted_point():
     model.fq(torch.randn(4, 8))
     model.fq.convert(model, None)
     assert model.fq(torch.empty(0, 8)).shape == (0, 8)
+
+
+# ---------------------------------------------------------------------------
+# The reference on empty and NaN inputs, against the ops
+
+
+@pytest.mark.parametrize("shape, axis", [((0, 32), -1), ((0, 32), 0), ((4, 0), -1), ((4, 0), 0), ((0,), 0),
+                                         ((3, 0, 5), -1), ((3, 0, 5), 0)])
+def test_the_reference_takes_the_empty_block_scaled_inputs_the_ops_take(shape, axis):
+    x = torch.empty(shape)
+    mx = torch.ops.pt2e_fq.fake_quantize_mx(x, "e4m3", 32, axis)
+    ref = reference.fake_quantize_mx(x, torch.float8_e4m3fn, 32, axis)
+    assert ref[0].shape == mx[0].shape and ref[2].shape == mx[2].shape
+    nv = torch.ops.pt2e_fq.fake_quantize_nvfp4(x, None, axis)
+    ref = reference.fake_quantize_nvfp4(x, None, axis)
+    assert ref[0].shape == nv[0].shape and ref[2].shape == nv[2].shape
+    assert ref[3].item() == nv[3].item() == 1.0  # max|x| of nothing is 0: the global scale is 1
+
+
+def _nan_inputs(dtype):
+    # NaNs with both signs and a payload, +-Inf, finite values
+    bits = torch.tensor([0x7FC00000, 0xFFC00000, 0x7FC12345, 0x7F812345], dtype=torch.int64).to(torch.int32)
+    nans = bits.view(torch.float32)
+    values = torch.cat([nans, f32(INF, -INF, 0.3, -1.7, 5.0, 0.0)])
+    return values.repeat(4)[:34].to(dtype)  # 34: MX blocks of 32 with a ragged last one
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_reference_and_the_ops_agree_on_every_value_and_on_where_nan_is(dtype):
+    x = _nan_inputs(dtype)
+    s, z = f32(0.05), torch.zeros(1, dtype=torch.int32)
+    pairs = [
+        (torch.ops.pt2e_fq.fake_quantize_affine(x, [34], s, z, -128, 127, None)[0],
+         reference.fake_quantize_affine(x, [34], s, z, -128, 127)[0]),
+        (torch.ops.pt2e_fq.fake_quantize_float(x, [34], s, "e4m3")[0],
+         reference.fake_quantize_float(x, [34], s, torch.float8_e4m3fn)[0]),
+        (torch.ops.pt2e_fq.fake_quantize_mx(x, "e4m3", 32, -1)[0],
+         reference.fake_quantize_mx(x, torch.float8_e4m3fn, 32, -1)[0]),
+        (torch.ops.pt2e_fq.fake_quantize_nvfp4(x, f32(0.01), -1)[0],
+         reference.fake_quantize_nvfp4(x, f32(0.01), -1)[0]),
+    ]
+    for op, ref in pairs:
+        torch.testing.assert_close(op, ref, rtol=0, atol=0, equal_nan=True)
+
+
+def test_nvfp4_with_a_computed_global_scale_turns_one_nan_into_an_all_nan_tensor():
+    # Documented (docs/export.md, "Non-finite values"): max|x| is NaN, so is the global scale.
+    x = torch.randn(2, 32, generator=torch.Generator().manual_seed(0))
+    x[0, 3] = NAN
+    assert torch.isnan(reference.nvfp4_global_scale(x))
+    dynamic = q.FakeQuantize(q.QSpec(q.NVFP4, q.PerGroup(16, -1), dynamic=True))(x)
+    assert torch.isnan(dynamic).all()
+    # A static point's observer ignores the NaN: only its block of 16 is NaN.
+    fq = q.FakeQuantize(q.QSpec(q.NVFP4, q.PerGroup(16, -1)))
+    y = fq(x)
+    g = x[torch.isfinite(x)].abs().max() / (448.0 * 6.0)
+    assert torch.equal(fq.global_scale.reshape(()), g)
+    expected, *_ = reference.fake_quantize_nvfp4(x, g)
+    torch.testing.assert_close(y, expected, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(y[0, :16]).all() and not torch.isnan(y[0, 16:]).any() and not torch.isnan(y[1]).any()
+
+
+# ---------------------------------------------------------------------------
+# Item 6: the ONNX file turns a NaN input of an integer point into a finite value
+
+
+class _Linear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def _onnx_file(tmp_path, preset):
+    pytest.importorskip("onnxruntime")
+    from pt2e_fq.app import pipeline
+    from pt2e_fq.export import to_onnx
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 8)
+    converted = pipeline.quantize(_Linear().eval(), (x,), preset, calibration=[torch.randn(2, 8) for _ in range(3)],
+                                  progress=False)
+    path = tmp_path / f"{preset}.onnx"
+    to_onnx(converted, (x,), path)
+    return converted, path
+
+
+def test_onnx_runtime_gives_the_lowest_code_for_nan_and_check_onnx_says_so(tmp_path):
+    from pt2e_fq.export import check_onnx
+    from pt2e_fq.export.onnx_check import ort_session
+
+    converted, path = _onnx_file(tmp_path, "w8a8")
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
+    x[0, 1] = NAN
+    # The input point's Q/DQ in ONNX Runtime: NaN becomes (qmin - zp) * scale, as -Inf does.
+    fq = next(m for n, m in converted.named_modules() if isinstance(m, q.FakeQuantize) and m.qspec.scheme.value == "asymmetric")
+    lowest = ((fq.quant_min - fq.zero_point.float()) * fq.scale).item()
+    with pytest.raises(AssertionError) as err:
+        check_onnx(path, converted, (x,))
+    text = str(err.value)
+    assert "\n" not in text
+    assert text.startswith("check_onnx: point fake_quantize_affine")
+    assert f"gets 1 NaN input element(s): torch gives NaN, ONNX Runtime {lowest:g} (QuantizeLinear to INT8 " in text
+    assert "every other element is bit-exact" in text and "docs/export.md, 'Non-finite values'" in text
+    session = ort_session(path, optimized=False)
+    (out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    assert torch.isfinite(torch.from_numpy(out)).all() and torch.isnan(converted(x)[0]).all()
+
+
+def test_an_fp8_onnx_file_keeps_nan_and_check_onnx_passes(tmp_path):
+    from pt2e_fq.export import check_onnx
+
+    converted, path = _onnx_file(tmp_path, "fp8")
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
+    x[0, 1] = NAN
+    assert check_onnx(path, converted, (x,)).points > 0

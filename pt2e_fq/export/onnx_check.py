@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_leaves
 
-from ..op_call import is_fake_quant_node
+from ..op_call import decode_node, is_fake_quant_node
 from .onnx import POINTS_METADATA, require_onnx
 from ..inputs import as_args
 from .program import exported_program
@@ -180,6 +180,7 @@ def _check_points(model, ep, values) -> int:
         (got,) = ort_session(point, optimized=False).run(None, feeds)
         expected = _numpy(values[y.name])
         if got.dtype != expected.dtype or not np.array_equal(got.view(np.uint8), expected.view(np.uint8)):
+            _explain_nan(node, x_name, y.name, values[node.args[0].name], got, expected)
             raise AssertionError(
                 f"check_onnx: point {node.name} ({x_name} -> {y.name}) differs from torch in ONNX Runtime "
                 f"on the same input: {int((got != expected).sum())} of {got.size} elements, max |diff| "
@@ -187,6 +188,29 @@ def _check_points(model, ep, values) -> int:
             )
         checked += 1
     return checked
+
+
+def _explain_nan(node, x_name, y_name, x: torch.Tensor, got: np.ndarray, expected: np.ndarray) -> None:
+    """Raises the precise AssertionError when a point differs only where its
+    input is NaN and torch gives NaN: an integer QuantizeLinear has no NaN
+    code (ONNX leaves the conversion undefined; ONNX Runtime 1.32 CPU gives
+    the lowest code, as for -Inf), so the file turns NaN into a finite value."""
+    x = _numpy(x)
+    if got.shape != expected.shape or x.shape != expected.shape:
+        return
+    differs = ~((got == expected) | (np.isnan(got) & np.isnan(expected)))
+    nan_in = np.isnan(x)
+    if not differs.any() or not (nan_in[differs].all() and np.isnan(expected[differs]).all()):
+        return
+    fmt = decode_node(node).format
+    finite = np.unique(got[differs])
+    raise AssertionError(
+        f"check_onnx: point {node.name} ({x_name} -> {y_name}) gets {int(nan_in.sum())} NaN input element(s): "
+        f"torch gives NaN, ONNX Runtime {', '.join(f'{v:g}' for v in finite[:4])} (QuantizeLinear to {fmt!r} "
+        "has no NaN code; ONNX Runtime uses the lowest, as for -Inf); every other element is bit-exact. "
+        "The ONNX file turns NaN inputs into finite values (docs/export.md, 'Non-finite values'): check it "
+        "with finite inputs"
+    )
 
 
 def check_onnx(path: Union[str, os.PathLike], model, inputs, *, atol: Optional[float] = None) -> OnnxCheck:
