@@ -14,11 +14,25 @@ import torch
 
 
 def reduced_shape(shape: Sequence[int], block_size: Sequence[int]) -> tuple[int, ...]:
-    """The shape of the per-block qparams: ceil(shape / block_size)."""
-    return tuple(-(-s // b) for s, b in zip(shape, block_size))
+    """The shape of the per-block qparams: ceil(shape / block_size). A block
+    of 0 (allowed on a dimension of size 0, see `check_block_size`) is one
+    block: per-tensor `block_size = x.shape` keeps a one-element scale when x
+    is empty."""
+    return tuple(1 if b == 0 else -(-s // b) for s, b in zip(shape, block_size))
+
+
+# The largest block_size entry: the operators take 64-bit ints.
+MAX_BLOCK = 2**63 - 1
 
 
 def check_block_size(op: str, x: torch.Tensor, block_size: Sequence[int]) -> None:
+    """block_size: a sequence of one int per dimension of x, each >= 1, or 0
+    on a dimension of size 0 (the whole, empty, dimension)."""
+    if isinstance(block_size, (str, bytes)) or not isinstance(block_size, Sequence):
+        raise TypeError(
+            f"{op}: block_size must be a sequence of ints, one per dimension of x "
+            f"(x.shape={tuple(x.shape)}), got {type(block_size).__name__}"
+        )
     if len(block_size) != x.dim():
         raise ValueError(
             f"{op}: block_size needs one entry per dimension of x (x.shape={tuple(x.shape)}), "
@@ -27,25 +41,38 @@ def check_block_size(op: str, x: torch.Tensor, block_size: Sequence[int]) -> Non
     for d, b in enumerate(block_size):
         if not isinstance(b, (int, torch.SymInt)) or isinstance(b, bool):
             raise TypeError(f"{op}: block_size[{d}] must be an int, got {type(b).__name__}")
-        if b < 1:
-            raise ValueError(f"{op}: block_size[{d}] must be >= 1, got {b}")
+        if isinstance(b, int) and b > MAX_BLOCK:
+            raise ValueError(f"{op}: block_size[{d}] must be at most 2**63 - 1, got {b}")
+        if b < 1 and not (b == 0 and x.shape[d] == 0):
+            raise ValueError(
+                f"{op}: block_size[{d}] must be >= 1 (or 0 on a dimension of size 0), got {b}"
+            )
 
 
 def _squeezed(shape: Sequence[int]) -> list[int]:
     return [s for s in shape if s != 1]
 
 
-def check_qparam(op: str, name: str, t: torch.Tensor, x: torch.Tensor, expected: Sequence[int]) -> None:
+def check_qparam(
+    op: str,
+    name: str,
+    t: torch.Tensor,
+    x: torch.Tensor,
+    expected: Sequence[int],
+    what: str = "ceil(x.shape / block_size)",
+) -> None:
     """A per-block qparam must be on x's device with the reduced shape; size-1
-    dimensions may be left out (a per-channel scale may be 1-D, say)."""
+    dimensions may be left out (a per-channel scale may be 1-D, say). `what`
+    says where the expected shape comes from. The C++ checks
+    (csrc/common/qparams.cpp, qparam_as_float) say the same."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device != x.device:
         raise ValueError(f"{op}: {name} is on {t.device} but x is on {x.device}")
     if _squeezed(t.shape) != _squeezed(expected):
         raise ValueError(
-            f"{op}: {name} must have shape ceil(x.shape / block_size) = {tuple(expected)} "
-            f"(size-1 dimensions may be omitted), got {tuple(t.shape)}"
+            f"{op}: {name} must have shape {tuple(expected)} "
+            f"({what}; size-1 dimensions may be omitted), got {tuple(t.shape)}"
         )
 
 
@@ -55,6 +82,8 @@ def reduce_blocks(x: torch.Tensor, block_size: Sequence[int], reduce, pad_value:
     reduced shape. A ragged last block is padded with `pad_value`, which must
     not change the result (+inf for amin, -inf for amax, 0 for sum)."""
     shape = tuple(x.shape)
+    if x.numel() == 0:  # every block is empty: pad_value is the reduction's identity
+        return x.new_full(reduced_shape(shape, block_size), pad_value)
     # A block longer than its dimension is one block: no need to pad up to it.
     block = [b if b <= s else s for s, b in zip(shape, block_size)]
     red = reduced_shape(shape, block)

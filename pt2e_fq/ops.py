@@ -10,15 +10,24 @@ only tensor the autograd node saves.
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from typing import Optional, Sequence, Union
 
 import torch
 
-from .blocks import check_block_size, check_qparam, reduced_shape
+from .blocks import MAX_BLOCK, check_block_size, check_qparam, reduced_shape
 from .formats import ELEMENTS, MX_BLOCK, NVFP4_BLOCK, element
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT16_MIN, _INT16_MAX = -(2**15), 2**15 - 1
+
+
+# Checks under tracing: under torch.compile and torch.export the wrappers leave the
+# argument checks to the op's fake impl, which makes the same ones. A check
+# traced by Dynamo surfaces as "Unsupported: Observed exception" under
+# fullgraph=True; from the fake impl, the message comes through as written.
 
 
 def _check_x(op: str, x: torch.Tensor) -> None:
@@ -70,10 +79,10 @@ def fake_quantize_affine_with_mask(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Like `fake_quantize_affine`, and also returns the bit-packed clamp mask
     (uint8, ceil(numel / 8) bytes; see `unpack_mask`)."""
-    block_size = list(block_size)
-    _check_affine_args(x, block_size, scale, zero_point, quant_min, quant_max, minval)
+    if not torch.compiler.is_compiling():  # see "Checks under tracing" above
+        _check_affine_args(x, block_size, scale, zero_point, quant_min, quant_max, minval)
     return torch.ops.pt2e_fq.fake_quantize_affine(
-        x, block_size, scale, zero_point, quant_min, quant_max, minval
+        x, list(block_size), scale, zero_point, quant_min, quant_max, minval
     )
 
 
@@ -108,12 +117,35 @@ def fake_quantize_affine(
 
 
 def unpack_mask(mask: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-    """The bool clamp mask of the given shape from its bit-packed form."""
+    """The bool clamp mask of the given shape (x's shape: ints >= 0) from its
+    bit-packed form, which must hold at least one bit per element."""
+    op = "pt2e_fq.unpack_mask"
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.uint8 or mask.dim() != 1:
+        what = (
+            f"a {mask.dim()}-dim {mask.dtype} tensor" if isinstance(mask, torch.Tensor) else type(mask).__name__
+        )
+        raise TypeError(f"{op}: mask must be a 1-D uint8 tensor (the packed mask), got {what}")
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence):
+        raise TypeError(f"{op}: shape must be a sequence of ints (x's shape), got {type(shape).__name__}")
     numel = 1
-    for s in shape:
+    for d, s in enumerate(shape):
+        if not isinstance(s, (int, torch.SymInt)) or isinstance(s, bool):
+            raise TypeError(f"{op}: shape[{d}] must be an int, got {type(s).__name__}")
+        if s < 0:
+            raise ValueError(f"{op}: shape[{d}] must be >= 0 (x's shape, no -1), got {s}")
         numel *= s
-    bits = torch.arange(8, device=mask.device, dtype=torch.uint8)
-    flat = ((mask.unsqueeze(-1) >> bits) & 1).reshape(-1)[:numel]
+    # Traced sizes (SymInt) come with the op's own mask, which always fits:
+    # comparing them would add a shape guard to an exported program.
+    if not isinstance(numel, torch.SymInt) and 8 * mask.numel() < numel:
+        raise ValueError(
+            f"{op}: mask has {mask.numel()} bytes, too few for shape {tuple(shape)}: "
+            f"needs ceil({numel} / 8) = {(numel + 7) // 8}"
+        )
+    # Element i is bit i % 8 of byte i // 8. Indexed, not sliced from all the
+    # bits: a slice [:numel] of 8 * mask.numel() bits makes torch.export guard
+    # on their relation, which it cannot prove for a dynamic batch.
+    i = torch.arange(numel, device=mask.device)
+    flat = (mask[i // 8] >> (i % 8).to(torch.uint8)) & 1
     return flat.bool().reshape(tuple(shape))
 
 
@@ -140,51 +172,161 @@ def _ste_grad_fake(grad, mask):
 
 # ---------------------------------------------------------------------------
 # Autograd: a straight-through estimator through the packed mask.
+#
+# Each op gets its own Autograd kernel, an autograd.Function in the
+# setup_context style with a `jvp`: reverse mode (backward, torch.func.grad /
+# jacrev) and forward mode (torch.autograd.forward_ad, torch.func.jvp /
+# jacfwd) both give the straight-through derivative `mask ? t : 0`.
+# (torch.library.register_autograd has neither forward mode nor the
+# setup_context its generated Function needs under torch.func.)
+
+_QPARAM_GRAD_WARNING = (
+    "{op}: {what} has requires_grad=True but gets no gradient: the op differentiates "
+    "x only (straight through the clamp mask); learnable ranges (LSQ) are not supported, "
+    "so pass {what}.detach() to silence this"
+)
+_warned_qparam_grad = False
+# Frames in these folders are ours or torch's dispatch: the warning points
+# at the first frame outside them, the user's call, however deep the
+# wrappers are (the raw torch.ops call or a FakeQuantize module).
+_INTERNAL_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules[__package__]))
 
 
-def _save_mask(ctx, inputs, output):
-    # The mask output never gets a gradient; without this, autograd fills a
-    # zero tensor of its size for grad_mask on every backward.
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(output[1])
-    # Outputs after the mask (block scales) are statistics of x, not a
-    # function to differentiate: mark them so, rather than return a wrong 0.
-    ctx.mark_non_differentiable(*output[2:])
+def _user_stacklevel() -> int:
+    """warnings.warn's stacklevel, called from _warn_qparam_grad, of the
+    first frame outside pt2e_fq and torch."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
-def _ste_backward(ctx, grad_y):
-    if grad_y is None:  # y did not reach the loss
-        return None
-    (mask,) = ctx.saved_tensors
-    return torch.ops.pt2e_fq.ste_grad(grad_y.contiguous(), mask)
+def _warn_qparam_grad(op, args, qparam_positions) -> None:
+    """Warns once per process when a qparam argument requires grad."""
+    global _warned_qparam_grad
+    if _warned_qparam_grad or not torch.is_grad_enabled():
+        return
+    for i, name in qparam_positions:
+        t = args[i] if i < len(args) else None
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            _warned_qparam_grad = True
+            warnings.warn(
+                _QPARAM_GRAD_WARNING.format(op=op, what=name), UserWarning, stacklevel=_user_stacklevel()
+            )
+            return
 
 
-def register_ste_autograd(op_name: str, num_inputs: int) -> None:
-    """Registers the STE backward for an op whose first input is x and whose
-    outputs are (y, packed mask, *extra) with non-differentiable extras (block
-    scales); the other inputs get no gradient."""
+def _ste(t, mask):
+    """dx (or the tangent of y) = mask ? t : 0; None passes through."""
+    return None if t is None else torch.ops.pt2e_fq.ste_grad(t.contiguous(), mask)
 
+
+class _SteFunction(torch.autograd.Function):
+    """op(x, *rest) -> (y, packed mask, *extras) (or y alone for ste_grad,
+    whose mask is an input) with the STE derivative with respect to x (or
+    grad, for ste_grad); the other inputs get none, the extras (block scales)
+    are statistics of x, marked non-differentiable."""
+
+    @staticmethod
+    def forward(op, mask_index, *args):
+        # autograd.Function turns reverse and forward mode off in here, so
+        # the op's Autograd kernel goes straight to the CPU / CUDA kernel.
+        return op(*args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        op, mask_index, *args = inputs
+        ctx.num_args = len(args)
+        ctx.num_outputs = None if mask_index is None else len(output)
+        if mask_index is None:  # ste_grad: the mask is an input
+            mask = args[1]
+        else:
+            mask = output[mask_index]
+            ctx.set_materialize_grads(False)
+            ctx.mark_non_differentiable(*output[mask_index:])
+        ctx.save_for_backward(mask)
+        ctx.save_for_forward(mask)
+
+    @staticmethod
     def backward(ctx, grad_y, *grad_others):
-        return (_ste_backward(ctx, grad_y),) + (None,) * (num_inputs - 1)
+        (mask,) = ctx.saved_tensors
+        return (None, None, _ste(grad_y, mask)) + (None,) * (ctx.num_args - 1)
 
-    torch.library.register_autograd(op_name, backward, setup_context=_save_mask)
-
-
-register_ste_autograd("pt2e_fq::fake_quantize_affine", num_inputs=7)
-
-
-def _save_ste_mask(ctx, inputs, output):
-    ctx.save_for_backward(inputs[1])
-
-
-def _ste_grad_backward(ctx, grad_dx):
-    # ste_grad is linear in its gradient (a select by the mask), so its own
-    # gradient is the same select: this makes the STE twice differentiable,
-    # as ATen's fake-quant backward is (d/dx sum(d(y^2)/dx) = 2 * mask).
-    return _ste_backward(ctx, grad_dx), None
+    @staticmethod
+    def jvp(ctx, op_t, mask_index_t, x_t, *other_t):
+        (mask,) = ctx.saved_tensors
+        y_t = _ste(x_t, mask)
+        if ctx.num_outputs is None:
+            return y_t
+        return (y_t,) + (None,) * (ctx.num_outputs - 1)
 
 
-torch.library.register_autograd("pt2e_fq::ste_grad", _ste_grad_backward, setup_context=_save_ste_mask)
+def register_ste_autograd(op_name: str, mask_index=1, qparams=()) -> None:
+    """Registers the STE derivative of an op whose first input is x and whose
+    outputs are (y, packed mask, *extra) with non-differentiable extras (block
+    scales), as the op's Autograd kernel. `mask_index=None` says the op
+    returns y alone and takes the mask as its second input (ste_grad).
+    `qparams`: (position, name) of tensor inputs that get no gradient, for the
+    warning when one requires grad."""
+    op = getattr(torch.ops.pt2e_fq, op_name.split("::")[1]).default
+    below = torch._C._after_autograd_keyset
+    public_name = op_name.replace("::", ".")
+
+    def autograd_kernel(keyset, *args):
+        _warn_qparam_grad(public_name, args, qparams)
+        if _needs_autograd(args):
+            return _single_level_apply(op, mask_index, *args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & below, *args)
+
+    _LIB.impl(op_name.split("::")[1], autograd_kernel, "Autograd", with_keyset=True)
+
+
+def _single_level_apply(*args):
+    """Applies _SteFunction from inside the Autograd kernel. Under torch.func
+    the kernel is reached within the current transform level's dispatch,
+    where Function.apply would dispatch torch.func's custom_function_call,
+    which has no kernel at this key; so the Function is applied at this one
+    level, as torch.func itself applies a Function per level."""
+    apply = super(torch.autograd.Function, _SteFunction).apply
+    if not torch._C._are_functorch_transforms_active():
+        return apply(*args)
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+    from torch._functorch.utils import enable_single_level_autograd_function
+
+    # Nested derivative transforms would need the Function to record at
+    # every level at once; run at one level, the outer derivative is a silent
+    # 0, so refuse (torch.autograd.grad with create_graph=True nests fine).
+    derivative_levels = (TransformType.Grad, TransformType.Jvp)
+    if sum(i.key() in derivative_levels for i in retrieve_all_functorch_interpreters()) > 1:
+        raise NotImplementedError(
+            f"{args[0].name().replace('::', '.')}: nested torch.func derivative transforms "
+            "(hessian, jacfwd(jacrev(f)), grad(grad(f))) are not supported; take second "
+            "derivatives with torch.autograd.grad(..., create_graph=True)"
+        )
+    with enable_single_level_autograd_function():
+        return apply(*args)
+
+
+def _needs_autograd(args) -> bool:
+    """Whether the call must record: reverse mode (an input requires grad),
+    or forward mode (a dual level is open: an input may carry a tangent;
+    torch.func.jvp opens one too)."""
+    if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+        return True
+    return torch._C._is_fwd_grad_enabled() and torch.autograd.forward_ad._current_level >= 0
+
+
+_LIB = torch.library.Library("pt2e_fq", "IMPL")
+
+register_ste_autograd(
+    "pt2e_fq::fake_quantize_affine", qparams=((2, "scale"), (3, "zero_point"), (6, "minval"))
+)
+# ste_grad is linear in its gradient (a select by the mask), so its own
+# derivative is the same select: this makes the STE twice differentiable, as
+# ATen's fake-quant backward is (d/dx sum(d(y^2)/dx) = 2 * mask).
+register_ste_autograd("pt2e_fq::ste_grad", mask_index=None)
 
 
 # ---------------------------------------------------------------------------
@@ -212,6 +354,8 @@ def _check_axis_blocks(op: str, x: torch.Tensor, block_size: int, axis: int) -> 
     _check_int(op, "axis", axis)
     if block_size < 1:
         raise ValueError(f"{op}: block_size must be >= 1, got {block_size}")
+    if block_size > MAX_BLOCK:  # the op takes an int64
+        raise ValueError(f"{op}: block_size must be at most 2**63 - 1, got {block_size}")
     if x.dim() == 0:
         raise ValueError(f"{op}: x must have at least one dimension, got a 0-dim tensor")
     if not -x.dim() <= axis < x.dim():
@@ -240,7 +384,7 @@ def _check_nvfp4_args(x, global_scale, axis) -> None:
     op = "pt2e_fq.fake_quantize_nvfp4"
     _check_axis_blocks(op, x, NVFP4_BLOCK, axis)
     if global_scale is not None:
-        check_qparam(op, "global_scale", global_scale, x, ())
+        check_qparam(op, "global_scale", global_scale, x, (), what="a single value")
         if not global_scale.dtype.is_floating_point:
             raise TypeError(f"{op}: global_scale must be a floating-point tensor, got {global_scale.dtype}")
 
@@ -249,10 +393,10 @@ def fake_quantize_float_with_mask(
     x: torch.Tensor, block_size: Sequence[int], scale: torch.Tensor, dtype: Union[torch.dtype, str]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Like `fake_quantize_float`, and also returns the bit-packed clamp mask."""
-    block_size = list(block_size)
     fmt = _elem_format("pt2e_fq.fake_quantize_float", "dtype", dtype)
-    _check_float_args(x, block_size, scale, fmt)
-    return torch.ops.pt2e_fq.fake_quantize_float(x, block_size, scale, fmt)
+    if not torch.compiler.is_compiling():  # see "Checks under tracing" above
+        _check_float_args(x, block_size, scale, fmt)
+    return torch.ops.pt2e_fq.fake_quantize_float(x, list(block_size), scale, fmt)
 
 
 def fake_quantize_float(
@@ -283,7 +427,8 @@ def fake_quantize_mx_with_scales(
     shape with `axis` cut to ceil(size / block_size)."""
     op = "pt2e_fq.fake_quantize_mx"
     fmt = _elem_format(op, "elem_dtype", elem_dtype)
-    _check_axis_blocks(op, x, block_size, axis)
+    if not torch.compiler.is_compiling():  # see "Checks under tracing" above
+        _check_axis_blocks(op, x, block_size, axis)
     y, _, scales = torch.ops.pt2e_fq.fake_quantize_mx(x, fmt, block_size, axis)
     return y, scales
 
@@ -310,7 +455,8 @@ def fake_quantize_nvfp4_with_scales(
     """Like `fake_quantize_nvfp4`, and also returns the E4M3 block scales (as
     fp32, x's shape with `axis` cut to ceil(size / 16)) and the fp32 global
     scale used (a 0-dim tensor)."""
-    _check_nvfp4_args(x, global_scale, axis)
+    if not torch.compiler.is_compiling():  # see "Checks under tracing" above
+        _check_nvfp4_args(x, global_scale, axis)
     y, _, block_scales, used_global = torch.ops.pt2e_fq.fake_quantize_nvfp4(x, global_scale, axis)
     return y, block_scales, used_global
 
@@ -355,6 +501,6 @@ def _fake_quantize_nvfp4_fake(x, global_scale, axis):
     return _empty_outputs(x) + (scales, x.new_empty((), dtype=torch.float32))
 
 
-register_ste_autograd("pt2e_fq::fake_quantize_float", num_inputs=4)
-register_ste_autograd("pt2e_fq::fake_quantize_mx", num_inputs=4)
-register_ste_autograd("pt2e_fq::fake_quantize_nvfp4", num_inputs=3)
+register_ste_autograd("pt2e_fq::fake_quantize_float", qparams=((2, "scale"),))
+register_ste_autograd("pt2e_fq::fake_quantize_mx")
+register_ste_autograd("pt2e_fq::fake_quantize_nvfp4", qparams=((1, "global_scale"),))

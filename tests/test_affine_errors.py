@@ -102,11 +102,52 @@ BAD = [
         "zero_point_on_other_device", "zero_point is on meta", call(zero_point=ZP.to("meta")),
         ValueError, "zero_point is on meta but x is on cpu",
     ),
+    # Issue 16, item 8: the raw op checks shapes, not only element counts,
+    # and dtypes, as the Python entry point does. Blocks of 2x2: (2, 3) scales.
+    (
+        "scale_transposed", "scale",
+        call(block_size=[2, 2], scale=torch.full((3, 2), 0.1), zero_point=torch.zeros(2, 3, dtype=torch.int32)),
+        ValueError, "scale must have shape (2, 3)",
+    ),
+    (
+        "zero_point_transposed", "zero_point",
+        call(block_size=[2, 2], scale=torch.full((2, 3), 0.1), zero_point=torch.zeros(3, 2, dtype=torch.int32)),
+        ValueError, "zero_point must have shape (2, 3)",
+    ),
+    ("scale_bool", "scale", call(scale=torch.ones(4, 1, dtype=torch.bool)), TypeError, "scale must be a floating"),
+    (
+        "scale_complex", "scale", call(scale=torch.ones(4, 1, dtype=torch.complex64)),
+        TypeError, "scale must be a floating",
+    ),
+    (
+        "minval_integer", "minval", call(zero_point=None, minval=torch.zeros(4, 1, dtype=torch.int32)),
+        TypeError, "minval must be a floating",
+    ),
+    (
+        "minval_complex", "minval", call(zero_point=None, minval=torch.zeros(4, 1, dtype=torch.complex64)),
+        TypeError, "minval must be a floating",
+    ),
+    (
+        "zero_point_bool", "zero_point", call(zero_point=torch.zeros(4, 1, dtype=torch.bool)),
+        TypeError, "zero_point must have an integer dtype",
+    ),
+    # Item 18: the exact out-of-range zero point (2**24 + 1 has no fp32 value).
+    (
+        "zero_point_not_rounded", "zero_point",
+        call(quant_min=-(2**15), quant_max=2**15 - 1, zero_point=torch.full((4, 1), 2**24 + 1, dtype=torch.int32)),
+        ValueError, "= 16777217",
+    ),
+    # Item 18: block_size itself and entries beyond int64 are named.
+    ("block_size_none", "block_size", call(block_size=None), TypeError, "block_size must be a sequence of ints"),
+    (
+        "block_size_beyond_int64", "block_size[0]", call(block_size=[2**63, 6]),
+        ValueError, "block_size[0] must be at most 2**63 - 1",
+    ),
 ]
 
-# What only the Python entry point checks: the raw op converts any scale
-# dtype to fp32 and its schema rejects a non-tensor scale by itself.
-PYTHON_ONLY = {"scale_integer", "scale_not_tensor"}
+# What only the Python entry point checks: the raw op's schema rejects a
+# non-tensor scale, a None block_size and ints beyond int64 by itself.
+PYTHON_ONLY = {"scale_not_tensor", "block_size_none", "block_size_beyond_int64"}
 
 
 @pytest.mark.parametrize("name,kwargs,exc,text", [pytest.param(*b[1:], id=b[0]) for b in BAD])

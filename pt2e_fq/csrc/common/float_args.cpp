@@ -22,7 +22,11 @@ AxisBlocks check_axis_blocks(const char* op, const at::Tensor& x, int64_t block_
                     ") for x of ", ndim, " dimensions, got ", axis);
   TORCH_CHECK_VALUE(block_size >= 1, op, ": block_size must be >= 1, got ", block_size);
   const int64_t a = axis < 0 ? axis + ndim : axis;
-  return make_axis_blocks(x.sizes().data(), static_cast<int>(ndim), static_cast<int>(a), block_size);
+  // A block longer than the axis is one block of the axis: the kernels size
+  // their buffers by the block, so they get the axis length, not block_size.
+  const int64_t len = x.size(a);
+  const int64_t block = block_size < len ? block_size : (len > 0 ? len : 1);
+  return make_axis_blocks(x.sizes().data(), static_cast<int>(ndim), static_cast<int>(a), block);
 }
 
 std::vector<int64_t> block_scale_shape(const at::Tensor& x, int64_t axis, const AxisBlocks& A) {

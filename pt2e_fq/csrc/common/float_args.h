@@ -16,8 +16,9 @@ namespace pt2e_fq {
 // "e4m3" | "e5m2" | "e2m1" -> the element format; `what` names the argument.
 ElemFormat parse_elem_format(const char* op, const char* what, const std::string& name);
 
-// Checks x's dtype, axis in [-x.dim(), x.dim()) and block_size >= 1, and
-// returns x's layout as blocks along the axis.
+// Checks x's dtype, axis in [-x.dim(), x.dim()) and block_size >= 1,
+// and returns x's layout as blocks along the axis, the block clamped to the
+// axis length (same number of blocks).
 AxisBlocks check_axis_blocks(const char* op, const at::Tensor& x, int64_t block_size,
                              int64_t axis);
 

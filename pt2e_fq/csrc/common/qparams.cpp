@@ -1,6 +1,8 @@
 #include "qparams.h"
 
 #include <limits>
+#include <string>
+#include <vector>
 
 #include "float_dtype.h"
 #include "pt2e_fq/mask_bits.h"
@@ -12,11 +14,32 @@ constexpr int64_t kInt16Min = std::numeric_limits<int16_t>::min();
 constexpr int64_t kInt16Max = std::numeric_limits<int16_t>::max();
 }  // namespace
 
-int64_t num_blocks(const BlockLayout& L) {
-  int64_t n = 1;
-  for (int d = 0; d < L.ndim; ++d) n *= (L.size[d] + L.block[d] - 1) / L.block[d];
-  return n;
+std::vector<int64_t> reduced_shape(at::IntArrayRef size, at::IntArrayRef block_size) {
+  std::vector<int64_t> r(size.size());
+  for (size_t d = 0; d < size.size(); ++d) {
+    r[d] = block_size[d] == 0 ? 1 : (size[d] + block_size[d] - 1) / block_size[d];
+  }
+  return r;
 }
+
+namespace {
+// "(2, 3)", as Python prints a shape tuple.
+std::string shape_str(at::IntArrayRef s) {
+  std::string out = "(";
+  for (size_t d = 0; d < s.size(); ++d) {
+    out += (d ? ", " : "") + std::to_string(s[d]);
+  }
+  return out + (s.size() == 1 ? ",)" : ")");
+}
+
+std::vector<int64_t> squeezed(at::IntArrayRef s) {
+  std::vector<int64_t> out;
+  for (const int64_t v : s) {
+    if (v != 1) out.push_back(v);
+  }
+  return out;
+}
+}  // namespace
 
 BlockLayout check_x_and_block_size(const char* op, const at::Tensor& x,
                                    at::IntArrayRef block_size) {
@@ -25,8 +48,9 @@ BlockLayout check_x_and_block_size(const char* op, const at::Tensor& x,
                     ": block_size needs one entry per dimension of x (", x.dim(), "), got ",
                     block_size.size());
   for (size_t d = 0; d < block_size.size(); ++d) {
-    TORCH_CHECK_VALUE(block_size[d] >= 1, op, ": block_size[", d, "] must be >= 1, got ",
-                      block_size[d]);
+    TORCH_CHECK_VALUE(block_size[d] >= 1 || (block_size[d] == 0 && x.size(d) == 0), op,
+                      ": block_size[", d,
+                      "] must be >= 1 (or 0 on a dimension of size 0), got ", block_size[d]);
   }
   BlockLayout L;
   TORCH_CHECK_VALUE(make_block_layout(x.sizes().data(), block_size.data(),
@@ -55,13 +79,17 @@ AffineInputs prepare_affine_inputs(const at::Tensor& x, at::IntArrayRef block_si
                      "pt2e_fq.fake_quantize_affine: zero_point must have an integer dtype, got ",
                      zero_point->scalar_type());
   }
-  const int64_t nblocks = num_blocks(L);
+  constexpr const char* op = "pt2e_fq.fake_quantize_affine";
+  const std::vector<int64_t> expected = reduced_shape(x.sizes(), block_size);
   AffineInputs in;
   in.x = x.contiguous();
   in.layout = L;
-  in.scale = qparam_as_float(x, scale, "scale", nblocks);
-  if (zero_point) in.zero_point = qparam_as_float(x, *zero_point, "zero_point", nblocks);
-  if (minval) in.minval = qparam_as_float(x, *minval, "minval", nblocks);
+  in.scale = qparam_as_float(x, scale, "scale", expected, op);
+  if (zero_point) {
+    in.zero_point = qparam_as_float(x, *zero_point, "zero_point", expected, op,
+                                    "ceil(x.shape / block_size)", /*floating=*/false);
+  }
+  if (minval) in.minval = qparam_as_float(x, *minval, "minval", expected, op);
   return in;
 }
 
@@ -72,12 +100,15 @@ AffineQparams affine_qparams(const AffineInputs& in, int64_t quant_min, int64_t 
 }
 
 at::Tensor qparam_as_float(const at::Tensor& x, const at::Tensor& t, const char* name,
-                           int64_t expected_numel, const char* op) {
+                           at::IntArrayRef expected, const char* op, const char* expected_what,
+                           bool floating) {
   TORCH_CHECK(t.device() == x.device(), op, ": ", name, " is on ", t.device(), " but x is on ",
               x.device());
-  TORCH_CHECK_VALUE(t.numel() == expected_numel, op, ": ", name,
-                    " must have one element per block (", expected_numel, "), got shape ",
-                    t.sizes());
+  TORCH_CHECK_VALUE(squeezed(t.sizes()) == squeezed(expected), op, ": ", name,
+                    " must have shape ", shape_str(expected), " (", expected_what,
+                    "; size-1 dimensions may be omitted), got ", shape_str(t.sizes()));
+  TORCH_CHECK_TYPE(!floating || at::isFloatingType(t.scalar_type()), op, ": ", name,
+                   " must be a floating-point tensor, got ", t.scalar_type());
   return t.to(at::kFloat).contiguous();
 }
 

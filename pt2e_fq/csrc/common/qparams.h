@@ -5,13 +5,17 @@
 
 #include <ATen/ATen.h>
 
+#include <vector>
+
 #include "pt2e_fq/affine.h"
 #include "pt2e_fq/block_layout.h"
 
 namespace pt2e_fq {
 
 // Checks x's dtype (float32, bfloat16 or float16) and a block_size with one
-// entry >= 1 per dimension of x, and returns the canonical block layout of x.
+// entry >= 1 per dimension of x (0 is allowed on a dimension of size 0, where
+// it means the whole, empty, dimension: per-tensor `block_size = x.shape`),
+// and returns the canonical block layout of x.
 // `op` names the operator in error messages.
 BlockLayout check_x_and_block_size(const char* op, const at::Tensor& x,
                                    at::IntArrayRef block_size);
@@ -35,18 +39,23 @@ AffineInputs prepare_affine_inputs(const at::Tensor& x, at::IntArrayRef block_si
 // Kernel view of the prepared qparams (pointers into `in`, which must outlive it).
 AffineQparams affine_qparams(const AffineInputs& in, int64_t quant_min, int64_t quant_max);
 
-// Checks a per-block qparam tensor: same device as x, numel of the layout's
-// block count, and returns it as a contiguous fp32 tensor.
+// The shape of the per-block qparams, ceil(x.shape / block_size); a block of
+// 0 (on a dimension of size 0) is one block.
+std::vector<int64_t> reduced_shape(at::IntArrayRef size, at::IntArrayRef block_size);
+
+// Checks a qparam tensor as the Python wrappers do (pt2e_fq.blocks.check_qparam):
+// on x's device, a floating dtype unless `floating` is false (zero points are
+// checked for an integer dtype by the caller), and the shape `expected`, where
+// size-1 dimensions may be omitted. `expected_what` names the expected shape
+// in the error message. Returns it as a contiguous fp32 tensor.
 at::Tensor qparam_as_float(const at::Tensor& x, const at::Tensor& t, const char* name,
-                           int64_t expected_numel,
-                           const char* op = "pt2e_fq.fake_quantize_affine");
+                           at::IntArrayRef expected, const char* op,
+                           const char* expected_what = "ceil(x.shape / block_size)",
+                           bool floating = true);
 
 // Checks on the host that every value of a scale tensor is finite and > 0 (CPU only: reading
 // the values of a CUDA tensor would sync).
 void check_scale_values(const char* op, const char* name, const at::Tensor& scale);
-
-// The number of blocks (scale elements) of a layout.
-int64_t num_blocks(const BlockLayout& L);
 
 // Allocates the packed mask with room for whole 32-bit words (the CUDA kernel
 // writes words) and returns a view of exactly ceil(numel / 8) bytes.

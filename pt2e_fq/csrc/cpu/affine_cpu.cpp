@@ -48,17 +48,22 @@ void affine_chunk(const T* x, T* y, uint8_t* flags, int64_t begin, int64_t end,
 
 // Value checks are cheap on the host, so the CPU path makes them; the CUDA
 // path cannot without a host sync (see README, "Bad qparams on CUDA").
-void check_qparam_values(const at::Tensor& scale, const at::Tensor& zp, const at::Tensor& minval,
+// The zero point is checked on its fp32 copy (exact for any value in an int16
+// range, and out of range whenever the integer is), but the message reads the
+// caller's integer: fp32 would round a large one.
+void check_qparam_values(const at::Tensor& scale, const at::Tensor& zp_float,
+                         const c10::optional<at::Tensor>& zero_point, const at::Tensor& minval,
                          int64_t quant_min, int64_t quant_max) {
   check_scale_values("pt2e_fq.fake_quantize_affine", "scale", scale);
-  if (zp.defined()) {
-    const float* z = zp.data_ptr<float>();
-    for (int64_t b = 0; b < zp.numel(); ++b) {
+  if (zp_float.defined()) {
+    const float* z = zp_float.data_ptr<float>();
+    for (int64_t b = 0; b < zp_float.numel(); ++b) {
+      // The message (and its item()) is evaluated only when the check fails.
       TORCH_CHECK_VALUE(z[b] >= quant_min && z[b] <= quant_max,
                         "pt2e_fq.fake_quantize_affine: zero_point must lie in [quant_min, "
                         "quant_max] = [",
-                        quant_min, ", ", quant_max, "], got zero_point[", b,
-                        "] (flat index) = ", static_cast<int64_t>(z[b]));
+                        quant_min, ", ", quant_max, "], got zero_point[", b, "] (flat index) = ",
+                        zero_point->reshape(-1)[b].item<int64_t>());
     }
   }
   if (minval.defined()) {
@@ -77,7 +82,7 @@ std::tuple<at::Tensor, at::Tensor> fake_quantize_affine_cpu(
     const c10::optional<at::Tensor>& minval) {
   const AffineInputs in = prepare_affine_inputs(x_in, block_size, scale_in, zero_point,
                                                 quant_min, quant_max, minval);
-  check_qparam_values(in.scale, in.zero_point, in.minval, quant_min, quant_max);
+  check_qparam_values(in.scale, in.zero_point, zero_point, in.minval, quant_min, quant_max);
   const at::Tensor& x = in.x;
   at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
   at::Tensor mask = new_packed_mask(x);

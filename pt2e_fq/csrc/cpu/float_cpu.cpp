@@ -36,7 +36,8 @@ std::tuple<at::Tensor, at::Tensor> fake_quantize_float_cpu(const at::Tensor& x_i
                                                            c10::string_view fmt) {
   const BlockLayout L = check_x_and_block_size(kOp, x_in, block_size);
   const ElemFormat format = parse_elem_format(kOp, "fmt", std::string(fmt));
-  const at::Tensor scale = qparam_as_float(x_in, scale_in, "scale", num_blocks(L), kOp);
+  const at::Tensor scale =
+      qparam_as_float(x_in, scale_in, "scale", reduced_shape(x_in.sizes(), block_size), kOp);
   check_scale_values(kOp, "scale", scale);
 
   const at::Tensor x = x_in.contiguous();

@@ -167,7 +167,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fake_quantize_nvfp4_c
   BlockOutputs o = new_block_outputs(x_in, axis, A);
   float g;
   if (global_scale_in.has_value()) {
-    const at::Tensor gs = qparam_as_float(x_in, *global_scale_in, "global_scale", 1, op);
+    const at::Tensor gs =
+        qparam_as_float(x_in, *global_scale_in, "global_scale", {}, op, "a single value");
     check_scale_values(op, "global_scale", gs);
     g = gs.data_ptr<float>()[0];
   } else {

@@ -70,7 +70,8 @@ std::tuple<at::Tensor, at::Tensor> fake_quantize_float_cuda(const at::Tensor& x_
   const c10::cuda::CUDAGuard guard(x_in.device());
   const BlockLayout layout = check_x_and_block_size(op, x_in, block_size);
   const ElemFormat format = parse_elem_format(op, "fmt", std::string(fmt));
-  const at::Tensor scale = qparam_as_float(x_in, scale_in, "scale", num_blocks(layout), op);
+  const at::Tensor scale =
+      qparam_as_float(x_in, scale_in, "scale", reduced_shape(x_in.sizes(), block_size), op);
   const at::Tensor x = x_in.contiguous();
   at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
   at::Tensor mask = new_packed_mask(x);
@@ -108,7 +109,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fake_quantize_nvfp4_c
   const auto f32 = o.x.options().dtype(at::kFloat);
   at::Tensor g, amax;
   if (global_scale.has_value()) {
-    g = qparam_as_float(x_in, *global_scale, "global_scale", 1, op).reshape({}).clone();
+    g = qparam_as_float(x_in, *global_scale, "global_scale", {}, op, "a single value")
+            .reshape({})
+            .clone();
   } else {
     g = at::empty({}, f32);
     amax = at::zeros({1}, o.x.options().dtype(at::kInt));
