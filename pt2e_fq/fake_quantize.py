@@ -275,8 +275,11 @@ class FakeQuantize(FakeQuantizeBase):
     def convert(self, model: torch.fx.GraphModule, observer_node: torch.fx.Node) -> None:
         """convert_pt2e calls this for every point instead of rewriting it into
         q/dq ops. The node stays; the module freezes."""
-        check_calibrated(model)
-        check_finite(model)
+        if not any(isinstance(m, FakeQuantize) and m.is_frozen for m in model.modules()):
+            # The first point converted checks every point (a sync per qparam
+            # tensor); those after it were checked with it.
+            check_calibrated(model)
+            check_finite(model)
         if "nonfinite" in self._buffers:  # once, at convert: the report still shows it after
             self._nonfinite_at_convert = int(self.nonfinite)
         self._frozen = True

@@ -422,3 +422,20 @@ def test_an_fp8_onnx_file_keeps_nan_and_check_onnx_passes(tmp_path):
     x = torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
     x[0, 1] = NAN
     assert check_onnx(path, converted, (x,)).points > 0
+
+
+@pytest.mark.parametrize("exporter", ["save", "to_onnx"])
+def test_save_and_to_onnx_refuse_a_point_with_a_nan_scale_before_writing(tmp_path, exporter):
+    gm, point = _converted_with_nan_scale()
+    path = tmp_path / ("m.pt2" if exporter == "save" else "m.onnx")
+    if exporter == "save":
+        write = lambda: q.save(gm, (batch(0),), path)  # noqa: E731
+    else:
+        pytest.importorskip("onnxruntime")
+        from pt2e_fq.export import to_onnx
+
+        write = lambda: to_onnx(gm, (batch(0),), path)  # noqa: E731
+    with pytest.raises(NonFiniteQParamsError, match=rf"^{exporter}: 1 fake-quant point\(s\) have non-finite qparams: "
+                                                      rf"{point} \(.*input of conv2d\) has scale\[0\] = nan"):
+        write()
+    assert not path.exists()

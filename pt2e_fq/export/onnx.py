@@ -20,6 +20,7 @@ from ..files import atomic_write, check_writable
 from ..formats import FloatFormat
 from ..inputs import as_args
 from ..op_call import decode_node, is_fake_quant_node, program_constants
+from ..report import check_finite_qparams
 from .program import exported_program
 
 # The lowest opset the translation targets: int4, int16 and blocked Q/DQ
@@ -108,6 +109,7 @@ def to_onnx(
     _check_opset(opset)
     check_writable(path)  # before the export's work
     ep = exported_program(model, example_inputs, dynamic_shapes=dynamic_shapes, fold_bn=fold_bn)
+    check_finite_qparams(ep, "to_onnx")
     _check_exportable(ep)
     points: list = []
     program = torch.onnx.export(

@@ -23,6 +23,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..files import atomic_write, check_writable
+from ..report import check_finite_qparams
 from .program import exported_program
 
 
@@ -40,6 +41,7 @@ def save(
     complete; a failed write is a pt2e_fq.files.WriteError."""
     check_writable(path)  # before the export's work
     ep = exported_program(model_or_program, example_inputs, dynamic_shapes=dynamic_shapes, fold_bn=fold_bn)
+    check_finite_qparams(ep, "save")
     _check_loadable_types(ep)
     with atomic_write(path) as temporary:
         # Serialized in memory first: torch's C++ archive writer aborts the
