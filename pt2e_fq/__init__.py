@@ -14,7 +14,7 @@ from ._torchao_import import import_torchao
 
 import_torchao()  # before the modules that import torchao
 
-from .fake_quantize import FakeQuantize, UncalibratedError
+from .fake_quantize import FakeQuantize, NonFiniteQParamsError, UncalibratedError
 from .formats import (
     FP4_E2M1,
     FP8_E4M3,
@@ -55,6 +55,7 @@ __all__ = [
     "Formulation",
     "FakeQuantize",
     "UncalibratedError",
+    "NonFiniteQParamsError",
     "IntFormat",
     "FloatFormat",
     "INT4",

@@ -29,6 +29,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from pt2e_fq import QSpec
+from pt2e_fq.files import write_text
 
 from .patterns import OP_TYPES
 from .qspec_dict import ConfigError, check_keys, qspec_from_dict, qspec_to_dict
@@ -209,15 +210,18 @@ class QuantizerConfig:
         return config
 
     def save(self, path: Union[str, Path]) -> None:
-        """Writes YAML (.yaml, .yml) or JSON (.json), by the file's suffix."""
+        """Writes YAML (.yaml, .yml) or JSON (.json), by the file's suffix,
+        atomically (pt2e_fq.files: a failed write leaves an old file as it
+        was and raises WriteError)."""
         path = Path(path)
         kind = _file_kind(path)
         if kind == "json":
-            path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+            text = json.dumps(self.to_dict(), indent=2) + "\n"
         else:
             import yaml
 
-            path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+            text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        write_text(path, text)
 
     @classmethod
     def load(cls, path: Union[str, Path]) -> "QuantizerConfig":

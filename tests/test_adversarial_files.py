@@ -306,3 +306,22 @@ def test_save_refuses_an_output_type_another_process_cannot_find(module, seriali
     finally:
         pytree._deregister_pytree_node(_Pair)
     assert _entries(tmp_path) == set()
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_a_failed_config_write_keeps_the_old_file(tmp_path, monkeypatch, suffix):
+    """QuantizerConfig.save goes through pt2e_fq.files too: a write that fails
+    half-way leaves the old config as it was."""
+    from quantizers.presets import get_preset
+
+    path = _old_file(tmp_path / f"config{suffix}")
+
+    def half_written(self, data):
+        with open(self, "wb") as f:
+            f.write(data[:7])
+        raise OSError(errno.ENOSPC, ENOSPC)
+
+    monkeypatch.setattr(Path, "write_bytes", half_written)
+    with pytest.raises(WriteError, match=rf"^cannot write {str(path)!r}: {ENOSPC}; {KEPT}$"):
+        get_preset("w8a8").save(path)
+    assert path.read_bytes() == OLD and _entries(tmp_path) == {f"config{suffix}"}
