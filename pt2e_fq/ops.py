@@ -202,9 +202,10 @@ def _user_stacklevel() -> int:
 
 
 def _warn_qparam_grad(op, args, qparam_positions) -> None:
-    """Warns once per process when a qparam argument requires grad."""
+    """Warns once per process when a qparam argument requires grad (called
+    while grad mode is on)."""
     global _warned_qparam_grad
-    if _warned_qparam_grad or not torch.is_grad_enabled():
+    if _warned_qparam_grad:
         return
     for i, name in qparam_positions:
         t = args[i] if i < len(args) else None
@@ -273,8 +274,10 @@ def register_ste_autograd(op_name: str, mask_index=1, qparams=()) -> None:
     public_name = op_name.replace("::", ".")
 
     def autograd_kernel(keyset, *args):
-        _warn_qparam_grad(public_name, args, qparams)
-        if _needs_autograd(args):
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+            _warn_qparam_grad(public_name, args, qparams)  # only here: a qparam can require grad
+            return _single_level_apply(op, mask_index, *args)
+        if _forward_ad_active():
             return _single_level_apply(op, mask_index, *args)
         with torch._C._AutoDispatchBelowAutograd():
             return op.redispatch(keyset & below, *args)
@@ -309,12 +312,10 @@ def _single_level_apply(*args):
         return apply(*args)
 
 
-def _needs_autograd(args) -> bool:
-    """Whether the call must record: reverse mode (an input requires grad),
-    or forward mode (a dual level is open: an input may carry a tangent;
-    torch.func.jvp opens one too)."""
-    if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
-        return True
+def _forward_ad_active() -> bool:
+    """Whether forward mode may be on: a dual level is open, so an input may
+    carry a tangent (torch.func.jvp opens one too). Reverse mode is the
+    Autograd kernel's other reason to record: an input requires grad."""
     return torch._C._is_fwd_grad_enabled() and torch.autograd.forward_ad._current_level >= 0
 
 
