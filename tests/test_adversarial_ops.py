@@ -215,3 +215,20 @@ def test_an_mx_block_beyond_int64_names_the_argument():
     with pytest.raises(ValueError, match=r"pt2e_fq.fake_quantize_mx: block_size must be at most 2\*\*63 - 1, got 9223372036854775808"):
         ops.fake_quantize_mx(torch.randn(4, 32), torch.float8_e4m3fn, 2**63)
 
+
+
+def test_a_converted_model_on_an_empty_batch_gives_what_the_float_model_gives():
+    # The whole item 13 path: static per-tensor / per-channel and dynamic
+    # per-token points, their FakeQuantize modules and the ops, at batch 0.
+    import pt2e_fq as q
+    from quantized_models import batch, ptq
+    from simple_quantizer import ConvLinear
+
+    empty = batch(0, (0, 3, 6, 6))
+    float_out = ConvLinear().eval()(empty)
+    for act, weight in [
+        (q.QSpec(q.INT8, scheme="asymmetric"), q.QSpec(q.INT8, q.PerChannel(0), "symmetric_narrow")),
+        (q.QSpec(q.INT8, q.PerToken(), "asymmetric", dynamic=True), q.QSpec(q.INT4, q.PerGroup(16), "asymmetric", "minval")),
+    ]:
+        out = ptq(act, weight, dynamic_shapes=({0: torch.export.Dim("batch")},))(empty)
+        assert out.shape == float_out.shape and out.dtype == float_out.dtype
