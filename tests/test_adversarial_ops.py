@@ -180,6 +180,17 @@ def test_block_size_zero_only_on_an_empty_dimension(block):
         ops.fake_quantize_affine(torch.randn(2, 16), block, SCALE, ZP, -8, 7)
 
 
+def test_block_reductions_of_an_empty_x_are_the_reductions_identity():
+    # What an observer would compute on an empty batch with the per-tensor
+    # recipe: one block, no element, so amax is -inf and amin +inf (the
+    # identities), as torch.amax(..., initial) would give.
+    from pt2e_fq.blocks import reduce_blocks
+
+    x = torch.randn(0, 4)
+    assert torch.equal(reduce_blocks(x, x.shape, torch.amax, float("-inf")), torch.full((1, 1), float("-inf")))
+    assert torch.equal(reduce_blocks(x, [1, 1], torch.amin, float("inf")), torch.empty(0, 4))
+
+
 def test_empty_x_through_the_block_scaled_formats():
     x = torch.randn(0, 64)
     y, scales = ops.fake_quantize_mx_with_scales(x, torch.float8_e4m3fn)
