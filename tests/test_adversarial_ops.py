@@ -183,7 +183,7 @@ def test_block_size_zero_only_on_an_empty_dimension(block):
 def test_block_reductions_of_an_empty_x_are_the_reductions_identity():
     # What an observer would compute on an empty batch with the per-tensor
     # recipe: one block, no element, so amax is -inf and amin +inf (the
-    # identities), as torch.amax(..., initial) would give.
+    # identities of the reductions).
     from pt2e_fq.blocks import reduce_blocks
 
     x = torch.randn(0, 4)
