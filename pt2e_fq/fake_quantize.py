@@ -18,6 +18,7 @@ import torch
 from torchao.quantization.pt2e import FakeQuantizeBase
 from torchao.quantization.pt2e.quantizer import QuantizationSpec
 
+from . import observer_sync
 from .blocks import reduced_shape
 from .formats import IntFormat
 from .granularity import PerChannel, PerTensor
@@ -206,23 +207,38 @@ class FakeQuantize(FakeQuantizeBase):
         block_size = self.qspec.granularity.block_size(x.shape)
         return self._kind.fake_quantize(self.qspec, x, block_size, qparams)
 
-    def _range_and_qparams(self, x: torch.Tensor, running):
+    def _range_and_qparams(self, x: torch.Tensor, running, sync_group=None):
         """Observes x (detached: observers need no graph) and returns the new
-        range and its qparams."""
+        range and its qparams; with `sync_group`, a range observer's batch
+        range is all-reduced over that group first (pt2e_fq.distributed)."""
         x = x.detach()
         block_size = self.qspec.range_granularity.block_size(x.shape)
 
         def fake_quantize_range(lo, hi):  # for observers that search the range
             return self._fake_quantize(x, self._kind.qparams_from_range(self.qspec, lo, hi, x.dtype))
 
-        lo, hi = self._observer.observe(x, block_size, running, fake_quantize_range)
+        if sync_group is None:
+            lo, hi = self._observer.observe(x, block_size, running, fake_quantize_range)
+        else:
+            def reduce_range(lo, hi):
+                return observer_sync.all_reduce_range(lo, hi, sync_group)
+
+            lo, hi = self._observer.observe(x, block_size, running, fake_quantize_range, reduce_range)
         return (lo, hi), self._kind.qparams_from_range(self.qspec, lo, hi, x.dtype)
 
-    def _observe(self, x: torch.Tensor) -> None:
-        self._check_stored_shape(x.shape)
+    def _sync_group(self):
+        """The process group this point's observer all-reduces over, or None:
+        only observers that keep a running range synchronise (MSE and
+        CurrentMinMax see the current tensor, meant for weights, identical
+        on every rank)."""
+        return observer_sync.sync_group() if self._observer.keeps_range else None
+
+    def _observe(self, x: torch.Tensor, sync_group=None) -> None:
+        if x.numel() > 0:  # an empty x (a rank joining the others' reduction) has no shape to check
+            self._check_stored_shape(x.shape)
         keeps_range = self._observer.keeps_range
         running = (self.min_val, self.max_val) if keeps_range and self.min_val.numel() > 0 else None
-        (lo, hi), qparams = self._range_and_qparams(x, running)
+        (lo, hi), qparams = self._range_and_qparams(x, running, sync_group)
         if keeps_range:
             self._store("min_val", lo)
             self._store("max_val", hi)
@@ -237,15 +253,20 @@ class FakeQuantize(FakeQuantizeBase):
             # (MX formats need nothing: the kernel scales every block itself.)
             qparams = self._range_and_qparams(x, None)[1] if self._qparam_names else {}
             return self._fake_quantize(x, qparams)
+        sync_group = self._sync_group() if self._observer_on else None
         if x.numel() == 0:
             # Empty in, empty out, as the float model (a shape test, not a
             # value one): no element reads a qparam, so neither an uncalibrated
             # point nor qparams of another shape (per-channel on the empty
             # axis) is an error, and observing nothing leaves the state as it
             # was (an empty range would calibrate a fresh point on nothing).
+            # In a distributed run the other ranks wait for this one in the
+            # all-reduce: it joins with empty blocks and takes their range.
+            if sync_group is not None:
+                self._observe(x, sync_group)
             return x.clone()
         if self._observer_on:
-            self._observe(x)
+            self._observe(x, sync_group)
         if not self._fake_quant_on:
             return x
         if not self.is_calibrated:

@@ -28,6 +28,9 @@ from .blocks import reduce_blocks
 Range = tuple[torch.Tensor, torch.Tensor]
 # (lo, hi) -> x fake-quantized with the qparams of that range.
 FakeQuantizeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# A batch's per-block range -> the range over every rank's batch
+# (observer_sync.all_reduce_range, bound to a process group).
+ReduceRangeFn = Callable[[torch.Tensor, torch.Tensor], Range]
 
 
 def block_min_max(x: torch.Tensor, block_size: Sequence[int]) -> Range:
@@ -46,8 +49,9 @@ def is_empty(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
 
 class Observer:
     """Base class. `keeps_range`: the module keeps the running range between
-    calls. `dynamic`: the observer computes qparams from the live tensor, for
-    dynamic points."""
+    calls, and in a distributed run the batch's range is reduced over the
+    ranks before the update (the `reduce_range` of `observe`). `dynamic`:
+    the observer computes qparams from the live tensor, for dynamic points."""
 
     keeps_range: ClassVar[bool] = False
     dynamic: ClassVar[bool] = False
@@ -62,21 +66,38 @@ class Observer:
         raise NotImplementedError
 
 
-@dataclass(frozen=True)
-class MinMaxObserver(Observer):
-    """The running minimum and maximum over every batch seen (calibration)."""
+class RangeObserver(Observer):
+    """An observer that updates a running range with each batch's per-block
+    min / max (`update`). With `reduce_range` the batch's range is first
+    reduced over the ranks of a distributed run, so the update sees the
+    range of all the ranks' batches. An empty x with a running range is a
+    batch of empty blocks (a rank with no data still joins the reduction)."""
 
     keeps_range: ClassVar[bool] = True
 
-    def observe(self, x, block_size, running, fake_quantize):
-        lo, hi = block_min_max(x, block_size)
-        if running is None:
-            return lo, hi
-        return torch.minimum(running[0], lo), torch.maximum(running[1], hi)
+    def observe(self, x, block_size, running, fake_quantize, reduce_range: Optional[ReduceRangeFn] = None):
+        if x.numel() == 0 and running is not None:
+            batch = torch.full_like(running[0], math.inf), torch.full_like(running[1], -math.inf)
+        else:
+            batch = block_min_max(x, block_size)
+        if reduce_range is not None:
+            batch = reduce_range(*batch)
+        return batch if running is None else self.update(running, batch)
+
+    def update(self, running: Range, batch: Range) -> Range:
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
-class MovingAverageMinMaxObserver(Observer):
+class MinMaxObserver(RangeObserver):
+    """The running minimum and maximum over every batch seen (calibration)."""
+
+    def update(self, running, batch):
+        return torch.minimum(running[0], batch[0]), torch.maximum(running[1], batch[1])
+
+
+@dataclass(frozen=True)
+class MovingAverageMinMaxObserver(RangeObserver):
     """An exponential moving average of each batch's min and max (QAT):
     running += averaging_constant * (batch - running); the first batch with a
     finite value in a block sets that block, and a batch with none in a block
@@ -84,17 +105,14 @@ class MovingAverageMinMaxObserver(Observer):
     Inf or NaN for good)."""
 
     averaging_constant: float = 0.01
-    keeps_range: ClassVar[bool] = True
 
     def __post_init__(self):
         c = self.averaging_constant
         if not isinstance(c, (int, float)) or isinstance(c, bool) or not 0 < c <= 1:
             raise ValueError(f"MovingAverageMinMaxObserver: averaging_constant must be in (0, 1], got {c!r}")
 
-    def observe(self, x, block_size, running, fake_quantize):
-        lo, hi = block_min_max(x, block_size)
-        if running is None:
-            return lo, hi
+    def update(self, running, batch):
+        lo, hi = batch
         c = self.averaging_constant
         seen, fresh = ~is_empty(lo, hi), is_empty(*running)
 

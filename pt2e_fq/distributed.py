@@ -1,0 +1,140 @@
+"""Distributed calibration and QAT: static observers synchronised across ranks.
+
+When torch.distributed is initialised with more than one rank, every static
+point whose observer keeps a running range (MinMaxObserver,
+MovingAverageMinMaxObserver) all-reduces the per-block min and max of each
+batch over the process group before it updates that range, so N ranks
+calibrate exactly as one process on all their data, and every rank holds the
+same range and qparams at every step. One collective per point per
+observation: an all-reduce MIN of cat([lo, -hi]).
+
+    import pt2e_fq.distributed as qdist
+    qdist.configure(group=dp_group)       # default: the world group
+    qdist.configure(sync=False)           # opt out (each rank keeps its own ranges)
+    model = qdist.ddp(prepared)           # DDP after checking the ranks agree
+    qdist.check_ranks_agree(model)        # debug: every point's state is the same on every rank
+    qdist.reduce_nonfinite_counts(model)  # before convert on rank 0: the NaN/Inf counts of all ranks
+
+Not synchronised: MSEObserver and CurrentMinMaxObserver look at the current
+tensor only, which is meant for weights (identical on every rank under DDP,
+and unsharded inside forward under FSDP2), and dynamic points compute their
+qparams from the live tensor at every call. `check_ranks_agree` catches a
+point that drifts anyway.
+
+The count of NaN / Inf values a point ignored (`FakeQuantize.nonfinite_count`)
+stays per rank during the run: summing it at every step would add a second
+collective per point. `reduce_nonfinite_counts` moves the totals to the
+group's rank 0 (one collective for all points), where convert and report
+read them.
+
+Nothing here syncs with the host, and nothing changes when torch.distributed
+is not initialised. docs/fake_quantize.md, "Distributed QAT", says what a user
+must and must not do.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import observer_sync
+from .fake_quantize import FakeQuantize
+from .observer_sync import all_reduce_range, configure, sync_group
+
+__all__ = ["configure", "sync_group", "check_ranks_agree", "reduce_nonfinite_counts", "ddp"]
+
+def _points(model: torch.nn.Module) -> list[tuple[str, FakeQuantize]]:
+    return [(path, m) for path, m in model.named_modules() if isinstance(m, FakeQuantize)]
+
+
+def _group_or_default(group, who: str) -> "dist.ProcessGroup":
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{who}: torch.distributed is not initialised (call torch.distributed.init_process_group first)")
+    return group if group is not None else observer_sync.configured_group()
+
+
+def check_ranks_agree(model: torch.nn.Module, group: Optional["dist.ProcessGroup"] = None) -> None:
+    """Debug check, a collective every rank must call: raises RuntimeError on
+    every rank, naming the buffers, when any FakeQuantize buffer (qparams,
+    running range) differs between the ranks of `group` (default: the
+    observers' group, else the world). Two all-reduces for the whole model
+    (the sizes, then the values); a NaN reads as a difference."""
+    group = _group_or_default(group, "check_ranks_agree")
+    named = [
+        (f"{path}.{name}" if path else name, m._buffers[name])
+        for path, m in _points(model)
+        for name in m._qparam_buffer_names() + ("min_val", "max_val")
+        if m._buffers.get(name) is not None
+    ]
+    if not named:
+        return
+    device = named[0][1].device
+    # float64 holds every fp32 and int32 value exactly.
+    numels = torch.tensor([float(t.numel()) for _, t in named], dtype=torch.float64, device=device)
+    sizes = torch.cat([torch.tensor([float(len(named))], dtype=torch.float64, device=device), numels.sum().reshape(1)])
+    lo, hi = all_reduce_range(sizes, sizes, group)
+    if not torch.equal(lo, hi):
+        raise RuntimeError(
+            f"check_ranks_agree: the ranks hold different fake-quant state: {int(lo[0])}..{int(hi[0])} buffers "
+            f"of {int(lo[1])}..{int(hi[1])} elements; every rank must prepare the same model"
+        )
+    values = torch.cat([numels] + [t.detach().reshape(-1).to(torch.float64) for _, t in named])
+    lo, hi = all_reduce_range(values, values, group)
+    same = lo == hi
+    k = len(named)
+    bad = [name for (name, _), ok in zip(named, same[:k].tolist()) if not ok]
+    if not bad:
+        start = k
+        for name, t in named:
+            if not bool(same[start:start + t.numel()].all()):
+                bad.append(name)
+            start += t.numel()
+    if bad:
+        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise RuntimeError(
+            f"check_ranks_agree: {len(bad)} fake-quant buffer(s) differ between ranks: {shown}; calibrate with "
+            "the observers synchronised (pt2e_fq.distributed.configure(sync=True), the default) and the same "
+            "points enabled on every rank"
+        )
+
+
+def reduce_nonfinite_counts(model: torch.nn.Module, group: Optional["dist.ProcessGroup"] = None) -> None:
+    """A collective every rank must call: moves the total, over the ranks of
+    `group`, of each static point's count of ignored NaN / Inf values to the
+    group's rank 0 (the others keep 0), so that convert and report on rank 0
+    show the whole run's counts. Calling it again is harmless: the counts'
+    sum over the ranks is kept."""
+    group = _group_or_default(group, "reduce_nonfinite_counts")
+    counts = [m._buffers["nonfinite"] for _, m in _points(model) if m._buffers.get("nonfinite") is not None]
+    if not counts:
+        return
+    total = torch.stack(counts)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    keep = 1 if dist.get_rank(group) == 0 else 0
+    for count, value in zip(counts, total.unbind()):
+        count.copy_(value * keep)
+
+
+def ddp(model: torch.nn.Module, **ddp_kwargs) -> torch.nn.parallel.DistributedDataParallel:
+    """Wraps a prepared model in DistributedDataParallel over the observers'
+    group, after checking that the observers synchronise and that every
+    rank's fake-quant state is the same (check_ranks_agree; DDP's own
+    broadcast at construction would otherwise hide a rank 0 that calibrated
+    alone). The DDP arguments pass through as given, `broadcast_buffers`
+    included: with synchronised observers every rank already holds rank 0's
+    ranges, so broadcasting them is redundant (False saves one broadcast per
+    forward; batch norm statistics are then per rank, as without QAT)."""
+    group = sync_group()
+    if group is None:
+        why = ("torch.distributed is not initialised" if not (dist.is_available() and dist.is_initialized())
+               else "observer sync is off (pt2e_fq.distributed.configure(sync=False))" if not observer_sync.enabled()
+               else "the group has one rank")
+        raise RuntimeError(
+            f"ddp: the observers would not synchronise ({why}); wrap with DistributedDataParallel "
+            "directly if each rank should keep its own ranges"
+        )
+    check_ranks_agree(model, group)
+    ddp_kwargs.setdefault("process_group", group)
+    return torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
