@@ -34,7 +34,8 @@ must and must not do.
 
 from __future__ import annotations
 
-from typing import Optional
+import os
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,7 @@ from . import observer_sync
 from .fake_quantize import FakeQuantize
 from .observer_sync import all_reduce_range, configure, sync_group
 
-__all__ = ["configure", "sync_group", "check_ranks_agree", "reduce_nonfinite_counts", "ddp"]
+__all__ = ["configure", "sync_group", "check_ranks_agree", "reduce_nonfinite_counts", "ddp", "checkpoint_state_dict"]
 
 def _points(model: torch.nn.Module) -> list[tuple[str, FakeQuantize]]:
     return [(path, m) for path, m in model.named_modules() if isinstance(m, FakeQuantize)]
@@ -138,3 +139,27 @@ def ddp(model: torch.nn.Module, **ddp_kwargs) -> torch.nn.parallel.DistributedDa
     check_ranks_agree(model, group)
     ddp_kwargs.setdefault("process_group", group)
     return torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
+
+
+def checkpoint_state_dict(model: torch.nn.Module, checkpoint_id: Union[str, os.PathLike]) -> dict:
+    """The model's state dict (torch.distributed.checkpoint.state_dict.
+    get_model_state_dict), ready for `dcp.load(state, checkpoint_id=...)`
+    from the checkpoint folder `checkpoint_id`: dcp.load fills the given
+    tensors in place, and a fake-quant buffer that has seen no data yet is
+    empty, so it gets the shape the checkpoint saved. Then
+    `set_model_state_dict(model, state)`."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    if not os.path.isdir(checkpoint_id):
+        raise FileNotFoundError(f"checkpoint_state_dict: checkpoint_id {os.fspath(checkpoint_id)!r} is not a checkpoint folder")
+    saved = FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+    state = get_model_state_dict(model)
+    for path, m in _points(model):
+        for name, buf in m._buffers.items():
+            key = f"{path}.{name}" if path else name
+            meta = saved.get(key)
+            if key in state and buf.numel() == 0 and isinstance(meta, TensorStorageMetadata):
+                state[key] = torch.empty(meta.size, dtype=buf.dtype, device=buf.device)
+    return state

@@ -39,11 +39,11 @@ def _run(fn, out_dir, *args):
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
 
 
-def _init(rank, out_dir):
+def _init(rank, out_dir, timeout_s=PG_TIMEOUT_S):
     torch.set_num_threads(1)  # 2 ranks on 2 cores
     dist.init_process_group(
         "gloo", init_method=f"file://{os.path.join(out_dir, 'store')}", rank=rank, world_size=WORLD,
-        timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
+        timeout=datetime.timedelta(seconds=timeout_s),
     )
 
 
@@ -225,3 +225,198 @@ def test_the_debug_check_and_the_ddp_helper_refuse_ranks_that_disagree(calibrati
 def test_nothing_changes_without_torch_distributed():
     """Not initialised here: no group, and the observers run as before."""
     assert not dist.is_initialized() and qdist.sync_group() is None
+
+
+# ---------------------------------------------------------------------------
+# QAT: DDP and FSDP2 on 2 ranks = one process on the concatenated batch
+
+QAT_STEPS = 3
+LR = 0.05
+
+
+def _qat_data(rank: int):
+    g = torch.Generator().manual_seed(7 + rank)
+    x = torch.randn(8, 16, generator=g) * (1 + rank)
+    return x, torch.randn(8, 4, generator=g)
+
+
+def _prepared_qat():
+    torch.manual_seed(0)
+    return pipeline.prepare(MLP(), (_qat_data(0)[0],), "w8a8", qat=True)
+
+
+def _qat_steps(model, params, x, y):
+    optimizer = torch.optim.SGD(params, lr=LR)
+    losses = []
+    for _ in range(QAT_STEPS):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach().clone())
+    return torch.stack(losses)
+
+
+def _exported(prepared) -> tuple[str, dict]:
+    """convert, then torch.export: the program's code and its constants."""
+    converted = pipeline.convert(prepared)
+    ep = torch.export.export(converted, (_qat_data(0)[0],))
+    return ep.graph_module.code, {k: v.clone() for k, v in ep.state_dict.items()}
+
+
+def _training_ranks(rank, out_dir):
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    x, y = _qat_data(rank)
+    result = {}
+
+    # DDP, broadcast_buffers left at DDP's default (True): harmless, the ranks already agree.
+    prepared = _prepared_qat()
+    pipeline.calibrate(prepared, [x], progress=False)
+    model = qdist.ddp(prepared)
+    result["ddp_losses"] = _qat_steps(model, model.parameters(), x, y)
+    result["ddp_state"] = {k: v.clone() for k, v in prepared.state_dict().items()}
+
+    # FSDP2: one unit at the root. A prepared GraphModule reads its weights
+    # with get_attr and never calls its submodules, so only the root's hooks
+    # run (they unshard every weight for the forward).
+    prepared = fully_shard(_prepared_qat())
+    pipeline.calibrate(prepared, [x], progress=False)
+    result["fsdp_losses"] = _qat_steps(prepared, prepared.parameters(), x, y)
+    qdist.check_ranks_agree(prepared)  # weight per-channel qparams included
+    result["fsdp_weight_scales"] = {k: v.clone() for k, v in prepared.state_dict().items()
+                                    if k.endswith("scale") and not isinstance(v, torch.distributed.tensor.DTensor)}
+    full = get_model_state_dict(prepared, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    result["fsdp_state"] = full if rank == 0 else None
+
+    # Distributed checkpoint: save the sharded state, load it into a fresh
+    # sharded model (whose fake-quant buffers are still empty).
+    checkpoint = os.path.join(out_dir, "checkpoint")
+    dcp.save(get_model_state_dict(prepared), checkpoint_id=checkpoint)
+    fresh = fully_shard(_prepared_qat())
+    state = qdist.checkpoint_state_dict(fresh, checkpoint)
+    dcp.load(state, checkpoint_id=checkpoint)
+    set_model_state_dict(fresh, state)
+    loaded = get_model_state_dict(fresh, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    result["dcp_state"] = loaded if rank == 0 else None
+
+    # Convert and export on rank 0, from the full state dict in a plain (unsharded) prepared model.
+    if rank == 0:
+        plain = _prepared_qat()
+        plain.load_state_dict(full)
+        result["program"] = _exported(plain)
+    return result
+
+
+def _reference_qat():
+    """One process, the ranks' batches concatenated: the same calibration,
+    the same steps (DDP and FSDP average the ranks' gradients, which is the
+    gradient of the mean loss over the whole batch)."""
+    data = [_qat_data(r) for r in range(WORLD)]
+    x, y = torch.cat([d[0] for d in data]), torch.cat([d[1] for d in data])
+    prepared = _prepared_qat()
+    pipeline.calibrate(prepared, [x], progress=False)
+    losses = _qat_steps(prepared, prepared.parameters(), x, y)
+    return losses, prepared
+
+
+@pytest.fixture(scope="module")
+def training(tmp_path_factory):
+    return _run(_training_ranks, tmp_path_factory.mktemp("training"))
+
+
+@pytest.fixture(scope="module")
+def reference_qat():
+    return _reference_qat()
+
+
+def _assert_close_states(got: dict, want: dict, what: str):
+    assert got.keys() == want.keys(), what
+    for k in want:
+        assert got[k].dtype == want[k].dtype, f"{what}: {k}"
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {k}: {m}")
+
+
+def test_ddp_qat_on_two_ranks_matches_one_process_on_the_concatenated_batch(training, reference_qat):
+    losses, prepared = reference_qat
+    want = prepared.state_dict()
+    torch.testing.assert_close((training[0]["ddp_losses"] + training[1]["ddp_losses"]) / WORLD, losses)
+    for rank, result in enumerate(training):
+        _assert_close_states(result["ddp_state"], dict(want), f"DDP rank {rank}")
+    assert any("activation_post_process" in k and k.endswith("min_val") for k in want)
+
+
+def test_fsdp2_qat_on_two_ranks_matches_one_process_on_the_concatenated_batch(training, reference_qat):
+    losses, prepared = reference_qat
+    torch.testing.assert_close((training[0]["fsdp_losses"] + training[1]["fsdp_losses"]) / WORLD, losses)
+    _assert_close_states(training[0]["fsdp_state"], dict(prepared.state_dict()), "FSDP2 full state")
+    scales = [r["fsdp_weight_scales"] for r in training]
+    assert scales[0] and scales[0].keys() == scales[1].keys()
+    for k in scales[0]:
+        assert torch.equal(scales[0][k], scales[1][k]), k
+
+
+def test_fsdp2_distributed_checkpoint_round_trips_qparams(training):
+    saved, loaded = training[0]["fsdp_state"], training[0]["dcp_state"]
+    assert saved.keys() == loaded.keys()
+    for k in saved:
+        assert torch.equal(saved[k], loaded[k]), k
+
+
+def test_convert_and_export_on_rank_0_after_fsdp2_equals_one_process(training, reference_qat):
+    code, constants = training[0]["program"]
+    want_code, want_constants = _exported(copy.deepcopy(reference_qat[1]))
+    assert code == want_code
+    _assert_close_states(constants, want_constants, "exported constants")
+
+
+# ---------------------------------------------------------------------------
+# A rank that fails: an error on every rank, not a hang
+
+FAIL_AT_STEP = 2
+STALL_TIMEOUT_S = 3  # the group's timeout in the stalled-rank case
+
+
+def _failing_rank(rank, out_dir, mode):
+    """Calibrates; at FAIL_AT_STEP rank 1 either raises ("crash": its process
+    then ends without leaving the group, as a crashed rank does) or stops
+    calling collectives for longer than the group's timeout ("stall"). Each
+    rank records what it raised and how long it ran."""
+    timeout_s = STALL_TIMEOUT_S if mode == "stall" else PG_TIMEOUT_S
+    _init(rank, out_dir, timeout_s)
+    point = q.FakeQuantize(SPECS[0][1])
+    start = time.monotonic()
+    try:
+        for step in range(STEPS + 5):
+            if rank == 1 and step == FAIL_AT_STEP:
+                if mode == "stall":
+                    time.sleep(timeout_s + 3)
+                raise RuntimeError("rank 1: bad batch")
+            point(_batch(step, rank))
+        outcome = None
+    except Exception as e:  # what the rank surfaces, whatever it is
+        outcome = f"{type(e).__name__}: {e}"
+    torch.save({"error": outcome, "seconds": time.monotonic() - start}, os.path.join(out_dir, f"rank{rank}.pt"))
+    os._exit(1 if outcome else 0)  # no destroy_process_group: the peer sees a dead rank
+
+
+@pytest.mark.parametrize("mode", ["crash", "stall"])
+def test_a_rank_that_fails_mid_calibration_is_an_error_on_every_rank(tmp_path, mode):
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_failing_rank, args=(r, str(tmp_path), mode)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=PG_TIMEOUT_S + 60)
+    alive = [p.pid for p in procs if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not alive, "a rank hung"
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    assert results[1]["error"] == "RuntimeError: rank 1: bad batch"
+    limit = STALL_TIMEOUT_S + 2 if mode == "stall" else 5  # a crash is seen at once (the socket closes)
+    assert results[0]["error"] is not None and results[0]["seconds"] < limit, results[0]
+    assert [p.exitcode for p in procs] == [1, 1]

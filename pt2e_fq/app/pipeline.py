@@ -39,6 +39,13 @@ from ..fake_quantize import FakeQuantize
 
 ConfigLike = Union[str, QuantizerConfig, FakeQuantQuantizer]
 
+if torch.distributed.is_available():
+    from torch.distributed.fsdp import FSDPModule
+
+    _FSDP2 = (FSDPModule,)
+else:  # a torch built without distributed support has no FSDP2 model to reshard
+    _FSDP2 = ()
+
 
 class ExportError(RuntimeError):
     """torch.export cannot export the model: a one-line message (the
@@ -123,10 +130,15 @@ def prepare(
 
 def calibrate(prepared: torch.nn.Module, batches: Iterable, *, progress: bool = True) -> torch.nn.Module:
     """Runs every batch (a tensor or a tuple of tensors) through the prepared
-    model without gradients, so its observers see the data."""
+    model without gradients, so its observers see the data. A model under
+    FSDP2 (`fully_shard`) is resharded after: its root keeps the unsharded
+    weights after a forward with no backward, and an optimizer built then
+    would train copies that the next all-gather overwrites."""
     with torch.no_grad():
         for batch in tqdm(batches, desc="calibrate", disable=not progress, leave=False):
             prepared(*as_args(batch))
+    if isinstance(prepared, _FSDP2):
+        prepared.reshard()
     return prepared
 
 
