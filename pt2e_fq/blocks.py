@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 
 def reduced_shape(shape: Sequence[int], block_size: Sequence[int]) -> tuple[int, ...]:
@@ -50,7 +51,10 @@ def check_block_size(op: str, x: torch.Tensor, block_size: Sequence[int]) -> Non
 
 
 def _squeezed(shape: Sequence[int]) -> list[int]:
-    return [s for s in shape if s != 1]
+    # A symbolic size (a dynamic batch under export) is dropped only where it
+    # is 1 for every value it may take: asking `s != 1` would guard the
+    # program to sizes other than 1.
+    return [s for s in shape if not statically_known_true(s == 1)]
 
 
 def check_qparam(

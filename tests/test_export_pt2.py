@@ -90,12 +90,6 @@ class _MaskOutput(torch.nn.Module):
         return y, q.ops.unpack_mask(mask, x.shape)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 16 item 11: torch.export guards the packed mask's size ((7 + 4*batch)//8 >= 2): "
-    "fixed by exporting under torch.fx.experimental._config.patch(backed_size_oblivious=True) "
-    "in pt2e_fq/export (verified), or by a mask of whole 32-bit words, at least one (a design change)",
-)
 def test_a_dynamic_batch_program_runs_at_every_batch_size(tmp_path):
     # A converted model (mask unused) and a program that uses the mask, saved
     # with a dynamic batch as the CLI writes it (Dim.AUTO) and as the user

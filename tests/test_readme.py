@@ -34,19 +34,7 @@ def _python_block_containing(path: Path, text: str) -> str:
     return block
 
 
-# Issue 16 item 11 (another change): the ops' fake implementation sizes the
-# packed clamp mask (numel + 7) // 8, and under Dim("batch") torch.export
-# turns that into the guard (7 + 4*batch)//8 >= 2 and refuses the dynamic
-# batch ("suggests Dim('batch', min=4)"). Every activation point has such a
-# mask; weights have static shapes, so the weight-only preset shows that the
-# rest of the documented flow works today.
-MASK_GUARD = pytest.mark.xfail(
-    strict=True, raises=torch._dynamo.exc.UserError,
-    reason="issue 16 item 11: the packed mask's size guards the dynamic batch; remove this mark with that fix",
-)
-
-
-@pytest.mark.parametrize("preset, points", [pytest.param("w8a8", 5, marks=MASK_GUARD), ("w4a16", 2)])
+@pytest.mark.parametrize("preset, points", [("w8a8", 5), ("w4a16", 2)])
 def test_user_guide_dynamic_batch_flow_runs_as_written(preset, points, tmp_path, monkeypatch):
     """Issue 16 item 12: the user guide's whole flow, with
     `dynamic_shapes=({0: torch.export.Dim("batch")},)`, runs as written (its

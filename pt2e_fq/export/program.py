@@ -51,4 +51,11 @@ def exported_program(
         )
     if fold_bn and isinstance(module, torch.fx.GraphModule):
         fold_conv_bn(module)
-    return torch.export.export(module, args, dynamic_shapes=dynamic_shapes)
+    # Every fake-quant op returns a packed mask of ceil(numel / 8) bytes. When
+    # export records that tensor's metadata, torch asks whether its size is
+    # below 2 and, on a dynamic batch, guards on the answer at the example's
+    # size: with 4 elements a row, (7 + 4*batch)//8 >= 2 refuses batch 1 and 2
+    # (the float program takes them). Size-oblivious reasoning answers such
+    # questions without a guard, so the program runs at every batch size.
+    with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+        return torch.export.export(module, args, dynamic_shapes=dynamic_shapes)
