@@ -44,7 +44,8 @@ from . import observer_sync
 from .fake_quantize import FakeQuantize
 from .observer_sync import all_reduce_range, configure, sync_group
 
-__all__ = ["configure", "sync_group", "check_ranks_agree", "reduce_nonfinite_counts", "ddp", "checkpoint_state_dict"]
+__all__ = ["configure", "sync_group", "check_ranks_agree", "reduce_nonfinite_counts", "ddp", "broadcast_buffers",
+           "checkpoint_state_dict"]
 
 def _points(model: torch.nn.Module) -> list[tuple[str, FakeQuantize]]:
     return [(path, m) for path, m in model.named_modules() if isinstance(m, FakeQuantize)]
@@ -56,16 +57,21 @@ def _group_or_default(group, who: str) -> "dist.ProcessGroup":
     return group if group is not None else observer_sync.configured_group()
 
 
-def check_ranks_agree(model: torch.nn.Module, group: Optional["dist.ProcessGroup"] = None) -> None:
+def check_ranks_agree(
+    model: torch.nn.Module, group: Optional["dist.ProcessGroup"] = None, *, synced_only: bool = False
+) -> None:
     """Debug check, a collective every rank must call: raises RuntimeError on
     every rank, naming the buffers, when any FakeQuantize buffer (qparams,
     running range) differs between the ranks of `group` (default: the
-    observers' group, else the world). Two all-reduces for the whole model
-    (the sizes, then the values); a NaN reads as a difference."""
+    observers' group, else the world). `synced_only`: only the points whose
+    observers synchronise (the others, weight points, recompute their qparams
+    from the weights at the next observed forward). Two all-reduces for the
+    whole model (the sizes, then the values); a NaN reads as a difference."""
     group = _group_or_default(group, "check_ranks_agree")
     named = [
         (f"{path}.{name}" if path else name, m._buffers[name])
         for path, m in _points(model)
+        if not synced_only or m._observer.keeps_range
         for name in m._qparam_buffer_names() + ("min_val", "max_val")
         if m._buffers.get(name) is not None
     ]
@@ -121,9 +127,9 @@ def reduce_nonfinite_counts(model: torch.nn.Module, group: Optional["dist.Proces
 def ddp(model: torch.nn.Module, **ddp_kwargs) -> torch.nn.parallel.DistributedDataParallel:
     """Wraps a prepared model in DistributedDataParallel over the observers'
     group, after checking that the observers synchronise and that every
-    rank's fake-quant state is the same (check_ranks_agree; DDP's own
-    broadcast at construction would otherwise hide a rank 0 that calibrated
-    alone). The DDP arguments pass through as given, `broadcast_buffers`
+    rank's synchronised points hold the same ranges and qparams
+    (check_ranks_agree(synced_only=True); DDP's own broadcast at
+    construction would otherwise hide ranks that calibrated alone). The DDP arguments pass through as given, `broadcast_buffers`
     included: with synchronised observers every rank already holds rank 0's
     ranges, so broadcasting them is redundant (False saves one broadcast per
     forward; batch norm statistics are then per rank, as without QAT)."""
@@ -136,9 +142,21 @@ def ddp(model: torch.nn.Module, **ddp_kwargs) -> torch.nn.parallel.DistributedDa
             f"ddp: the observers would not synchronise ({why}); wrap with DistributedDataParallel "
             "directly if each rank should keep its own ranges"
         )
-    check_ranks_agree(model, group)
+    check_ranks_agree(model, group, synced_only=True)
     ddp_kwargs.setdefault("process_group", group)
     return torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
+
+
+def broadcast_buffers(model: torch.nn.Module, src: int = 0, group: Optional["dist.ProcessGroup"] = None) -> None:
+    """A collective every rank must call: every buffer of `model` becomes
+    rank `src`'s (group rank). Call it before freeze_qat or an evaluation
+    that observes: DDP broadcasts rank 0's buffers before each forward, and
+    each rank's batch then updates its own batch-norm running statistics,
+    which a conv-bn's weight fake-quant reads in QAT; without this the
+    ranks freeze different weight qparams. One broadcast per buffer."""
+    group = _group_or_default(group, "broadcast_buffers")
+    for buf in model.buffers():
+        dist.broadcast(buf, group_src=src, group=group)
 
 
 def checkpoint_state_dict(model: torch.nn.Module, checkpoint_id: Union[str, os.PathLike]) -> dict:
