@@ -420,3 +420,28 @@ def test_a_rank_that_fails_mid_calibration_is_an_error_on_every_rank(tmp_path, m
     limit = STALL_TIMEOUT_S + 2 if mode == "stall" else 5  # a crash is seen at once (the socket closes)
     assert results[0]["error"] is not None and results[0]["seconds"] < limit, results[0]
     assert [p.exitcode for p in procs] == [1, 1]
+
+
+def test_the_ddp_example_runs_under_torchrun_and_saves_a_working_program(tmp_path):
+    """examples/qat_ddp.py as documented (torchrun, 2 ranks), shortened to one
+    epoch each: it exits 0 (its check_ranks_agree raises on any rank whose
+    synchronised qparams differ), and the program rank 0 saves loads here and
+    classifies the digits test split as a quantized CNN should."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from pt2e_fq.app import digits
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "qat_ddp.pt2"
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(root / "examples" / "qat_ddp.py"), "--float-epochs", "1", "--qat-epochs", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "saved" in run.stdout
+    x, y = digits.load().split("test")
+    predicted = q.load(out).module()(x).argmax(1)
+    assert (predicted == y).float().mean() > 0.85
