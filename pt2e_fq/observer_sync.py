@@ -18,14 +18,20 @@ _group: Optional["dist.ProcessGroup"] = None  # None: the world group
 def configure(*, sync: bool = True, group: Optional["dist.ProcessGroup"] = None) -> None:
     """Sets, for the whole process, whether static observers synchronise
     (`sync`) and over which process group (`group`; None: the world).
-    Every rank must make the same call."""
+    Every rank of a group makes the same call; with several groups (data
+    parallel within a node, say) each rank names the one it belongs to."""
     if not isinstance(sync, bool):
         raise TypeError(f"configure: sync must be a bool, got {type(sync).__name__}")
     if group is not None:
-        if not isinstance(group, dist.ProcessGroup):
+        # new_group hands a rank outside the group this marker, not a group.
+        outside = group is dist.GroupMember.NON_GROUP_MEMBER
+        if not outside and not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"configure: group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
-        if dist.get_rank(group) < 0:
-            raise ValueError(f"configure: group does not contain this process (global rank {dist.get_rank()})")
+        if outside or dist.get_rank(group) < 0:
+            raise ValueError(
+                f"configure: group does not contain this process (global rank {dist.get_rank()}); "
+                "every rank must configure a group it belongs to"
+            )
     global _sync, _group
     _sync, _group = sync, group
 

@@ -144,6 +144,22 @@ def _calibration_ranks(rank, out_dir):
         result["ddp_error"] = None
     except RuntimeError as e:
         result["ddp_error"] = str(e)
+
+    # The group setting: every rank must create every group (new_group is
+    # collective). A group of this rank alone: nothing to synchronise with,
+    # each rank keeps its own ranges; an explicit group of both ranks: synced
+    # as over the world; a group without this rank: refused.
+    own = [dist.new_group([r]) for r in range(WORLD)]
+    both = dist.new_group(list(range(WORLD)))
+    qdist.configure(sync=True, group=own[rank])
+    result["own_group"] = _calibrate_points(rank, STEPS, _batch)
+    qdist.configure(sync=True, group=both)
+    result["explicit_group"] = _calibrate_points(rank, STEPS, _batch)
+    try:
+        qdist.configure(sync=True, group=own[1 - rank])
+        result["foreign_group_error"] = None
+    except ValueError as e:
+        result["foreign_group_error"] = str(e)
     qdist.configure(sync=True)
     return result
 
@@ -191,6 +207,23 @@ def test_without_sync_the_ranks_get_other_qparams(calibration):
     for name, _ in SPECS:
         got, want = calibration[0]["unsynced"][name], refs[name]
         assert any(not torch.equal(got[k], want[k]) for k in want), name
+
+
+def test_the_configured_group_is_the_one_observers_reduce_over(calibration):
+    """configure(group=...): over a group of both ranks the points equal one
+    process on all the data; over a group of the rank alone, one process on
+    that rank's batches only (an independent single-process run here); a
+    group the rank is not in is refused, naming the rank."""
+    refs = _reference_points()
+    for rank, result in enumerate(calibration):
+        for name, spec in SPECS:
+            _assert_bit_identical(result["explicit_group"][name], refs[name], f"rank {rank} {name}, group of both")
+            alone = q.FakeQuantize(spec)
+            for step in range(STEPS):
+                alone(_batch(step, rank))
+            _assert_bit_identical(result["own_group"][name], _state(alone), f"rank {rank} {name}, group of itself")
+        assert "does not contain this process" in result["foreign_group_error"]
+        assert f"global rank {rank}" in result["foreign_group_error"]
 
 
 def test_split_calibration_of_a_prepared_model_equals_one_process(calibration):
