@@ -110,6 +110,15 @@ def _calibration_ranks(rank, out_dir):
     result["model"] = {k: v.clone() for k, v in prepared.state_dict().items()}
     qdist.check_ranks_agree(prepared)  # synced: no error
 
+    # The same calibration through torch.compile (Inductor): the observers'
+    # all-reduce runs inside the compiled forward.
+    torch.manual_seed(0)
+    compiled = pipeline.prepare(MLP(), (_batch(0, 0),), "w8a8")
+    step = torch.compile(compiled)
+    for s in range(STEPS):
+        step(_batch(s, rank))
+    result["compiled_model"] = {k: v.clone() for k, v in compiled.state_dict().items()}
+
     # A rank with an empty batch joins the others' all-reduce (no hang) and
     # takes their range.
     point = q.FakeQuantize(SPECS[1][1])
@@ -233,6 +242,16 @@ def test_split_calibration_of_a_prepared_model_equals_one_process(calibration):
     want = prepared.state_dict()
     for rank, result in enumerate(calibration):
         _assert_bit_identical(result["model"], dict(want), f"rank {rank} w8a8 MLP")
+        # Under Inductor the linears' outputs differ from eager by an ulp (its
+        # own GEMM and bias fusion, one process as well), so the compiled
+        # ranges are compared within float tolerance: without the all-reduce
+        # rank 0's ranges would be those of its narrower data, far off.
+        compiled = result["compiled_model"]
+        assert compiled.keys() == want.keys()
+        for k, v in want.items():
+            torch.testing.assert_close(compiled[k], v, rtol=1e-5, atol=0, msg=f"rank {rank} {k} under torch.compile")
+    for k in want:  # and the ranks agree bit for bit
+        assert torch.equal(calibration[0]["compiled_model"][k], calibration[1]["compiled_model"][k]), k
 
 
 def test_a_rank_with_an_empty_batch_joins_the_all_reduce(calibration):
