@@ -14,6 +14,12 @@ Two more kinds of ops take no config of their own:
 - AVERAGING_POOLS compute averages, which fall between grid points: their
   output is quantized again with their input's fake-quant module (shared
   qparams).
+
+Every table holds each op's in-place twin too (`out += identity` is
+aten.add_, `ReLU(inplace=True)` aten.relu_, `Hardswish(inplace=True)`
+aten.hardswish_): a model's choice of in-place or out-of-place code does not
+change how it is quantized. A cast to the dtype the tensor already has
+(HF RMSNorm's `.to(input_dtype)` in a float32 model) is a pass-through too.
 """
 
 from __future__ import annotations
@@ -29,6 +35,23 @@ aten = torch.ops.aten
 # Roles an argument can play; they name the fields of an OpConfig.
 INPUT, WEIGHT, BIAS = "input_activation", "weight", "bias"
 
+
+def _inplace_twin(op):
+    """aten.add_.Tensor for aten.add.Tensor: the in-place overload taking
+    the same arguments, or None."""
+    packet = getattr(aten, op.overloadpacket.__name__ + "_", None)
+    if packet is None:
+        return None
+    types = [a.type for a in op._schema.arguments]
+    # Overload names differ (transpose.int, transpose_.default): match by argument types.
+    return next((getattr(packet, o) for o in packet.overloads()
+                 if [a.type for a in getattr(packet, o)._schema.arguments] == types), None)
+
+
+def _with_inplace(ops):
+    return tuple(ops) + tuple(t for t in map(_inplace_twin, ops) if t is not None)
+
+
 # op type name -> aten ops of the (pre-dispatch) exported graph.
 _WEIGHTED_OPS = {
     "linear": (aten.linear.default,),
@@ -39,7 +62,7 @@ _WEIGHTED_OPS = {
     "conv_transpose2d": (aten.conv_transpose2d.input,),
 }
 _MATMUL_OPS = {"matmul": (aten.matmul.default,), "bmm": (aten.bmm.default,)}
-_BINARY_OPS = {"add": (aten.add.Tensor,), "mul": (aten.mul.Tensor,)}
+_BINARY_OPS = {"add": _with_inplace((aten.add.Tensor,)), "mul": _with_inplace((aten.mul.Tensor,))}
 _CONCAT_OPS = {"cat": (aten.cat.default,), "stack": (aten.stack.default,)}
 _EMBEDDING_OPS = {"embedding": (aten.embedding.default,)}
 
@@ -57,18 +80,23 @@ TRANSPOSED_WEIGHT_OPS = ("conv_transpose1d", "conv_transpose2d")
 _CONV_OPS = ("conv1d", "conv2d", "conv3d", *TRANSPOSED_WEIGHT_OPS)
 
 # Activations quantized together with the op before them.
-_ACTIVATIONS = {
-    aten.relu.default, aten.relu_.default, aten.relu6.default, aten.hardtanh.default, aten.hardtanh_.default,
-    aten.gelu.default, aten.silu.default, aten.silu_.default, aten.hardswish.default, aten.sigmoid.default,
-    aten.tanh.default, aten.leaky_relu.default, aten.elu.default,
-}
+_ACTIVATIONS = set(_with_inplace((
+    aten.relu.default, aten.relu6.default, aten.hardtanh.default, aten.gelu.default, aten.silu.default,
+    aten.hardswish.default, aten.sigmoid.default, aten.tanh.default, aten.leaky_relu.default, aten.elu.default,
+)))
 _BATCH_NORMS = {aten.batch_norm.default, aten._native_batch_norm_legit_no_training.default}
 
-PASS_THROUGH = {
+# Views (their output may alias their input) and the pass-through ops that copy.
+_VIEWS = set(_with_inplace((
     aten.view.default, aten.reshape.default, aten.flatten.using_ints, aten.permute.default,
     aten.transpose.int, aten.t.default, aten.squeeze.dim, aten.squeeze.dims, aten.unsqueeze.default,
+)))
+PASS_THROUGH = _VIEWS | {
     aten.max_pool1d.default, aten.max_pool2d.default, aten.max_pool3d.default,
+    aten.clone.default, aten.contiguous.default,
 }
+# Casts: a pass-through when the dtype does not change (is_no_op_cast).
+_CASTS = {aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.type_as.default, aten._to_copy.default}
 AVERAGING_POOLS = {
     aten.avg_pool1d.default, aten.avg_pool2d.default, aten.avg_pool3d.default,
     aten.adaptive_avg_pool1d.default, aten.adaptive_avg_pool2d.default, aten.adaptive_avg_pool3d.default,
@@ -105,6 +133,49 @@ def _is_param(node: Node) -> bool:
     return node.op == "get_attr"
 
 
+def is_no_op_cast(node: Node) -> bool:
+    """A cast whose output has its input's dtype and device: the same values."""
+    if node.op != "call_function" or node.target not in _CASTS or not isinstance(node.args[0], Node):
+        return False
+    src, out = node.args[0].meta.get("val"), node.meta.get("val")
+    return (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor)
+            and src.dtype == out.dtype and src.device == out.device)
+
+
+def passes_grid(node: Node) -> bool:
+    """The node's output holds its first argument's values, moved or
+    selected (PASS_THROUGH or a no-op cast)."""
+    return node.op == "call_function" and (node.target in PASS_THROUGH or is_no_op_cast(node))
+
+
+def _is_inplace(node: Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and bool(schema.arguments) and schema.arguments[0].alias_info is not None \
+        and schema.arguments[0].alias_info.is_write
+
+
+def _aliases(node: Node) -> bool:
+    """The node's output is a view of its first argument (a view op, or an
+    in-place op, which returns the tensor it wrote)."""
+    return node.op == "call_function" and isinstance(node.args[0] if node.args else None, Node) \
+        and (node.target in _VIEWS or _is_inplace(node))
+
+
+def _read_after(tensor: Node, node: Node) -> bool:
+    """Whether a node after `node` reads the storage of `tensor`: through
+    `tensor` itself, the tensor it is a view of, or any view of either."""
+    while _aliases(tensor):
+        tensor = tensor.args[0]
+    aliases, todo = set(), [tensor]
+    while todo:
+        t = todo.pop()
+        aliases.add(t)
+        # Not through `node`: what reads its output reads the new value, as it should.
+        todo += [u for u in t.users if u is not node and u not in aliases and _aliases(u) and u.args[0] is t]
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    return any(u is not node and u not in aliases and order[u] > order[node] for t in aliases for u in t.users)
+
+
 def _fused_output(node: Node, allow_batch_norm: bool) -> tuple[Node, list[Node]]:
     """The end of node -> [batch_norm] -> [activation], each link the only
     user of the one before, and the nodes before the end."""
@@ -134,6 +205,11 @@ def match(node: Node) -> Optional[OpMatch]:
         inputs = [(a, INPUT) for a in args[:2] if isinstance(a, Node)]
         if len(inputs) < 2:
             return None  # a tensor and a scalar (x * 0.5): left in float
+        if _is_inplace(node) and _read_after(args[0], node):
+            # A fake-quant point on that edge would take the mutation (its
+            # output is a new tensor), and the later readers would see the
+            # value before it: left in float, as the model computes it.
+            return None
     else:  # cat, stack: shared qparams, so the output is on the inputs' grid
         inputs = [(a, INPUT) for a in args[0]]
         if not all(is_float_tensor(a) for a, _ in inputs):

@@ -4,7 +4,7 @@ and which points share one fake-quant module.
 A tensor is fake-quantized once per QSpec. The walk goes through the graph in
 order and keeps, for every tensor whose value is already fake-quantized (an
 op's quantized output, seen through pass-through ops such as view and
-max-pool while the QSpec is per-tensor, or a cat's shared input group), the
+max-pool and no-op casts while the QSpec is per-tensor, or a cat's shared input group), the
 QSpec and the point that did it. A consumer asking for that same QSpec
 reuses it (no new point); siblings asking for the same QSpec of the same
 tensor share one module; a different QSpec gets its own point (a
@@ -27,7 +27,7 @@ from torch.fx import GraphModule, Node
 from pt2e_fq import PerBlock, PerChannel, PerGroup, PerTensor, QSpec
 
 from .config import OpConfig, QuantizerConfig
-from .patterns import AVERAGING_POOLS, PASS_THROUGH, TRANSPOSED_WEIGHT_OPS, WEIGHT, OpMatch, match
+from .patterns import AVERAGING_POOLS, TRANSPOSED_WEIGHT_OPS, WEIGHT, OpMatch, match, passes_grid
 
 EdgeOrNode = Union[Node, tuple[Node, Node]]
 
@@ -189,7 +189,7 @@ class _Walk:
         for node in gm.graph.nodes:
             if node.op != "call_function":
                 continue
-            if node.target in PASS_THROUGH and self._carries_grid(node.args[0]):
+            if passes_grid(node) and self._carries_grid(node.args[0]):
                 self.quantized[node] = self.quantized[node.args[0]]
             elif node.target in AVERAGING_POOLS and self._carries_grid(node.args[0]):
                 spec, root = self.quantized[node.args[0]]
