@@ -339,20 +339,17 @@ def test_qat_step_on_cuda_makes_no_host_sync(preset):
         step()
 
 
-def test_step_times_on_cuda_count_the_steps_kernels():
-    # A step of a large Linear is milliseconds of GPU work and microseconds
-    # of Python: a timer that does not wait for the GPU reads the latter.
-    from pt2e_fq.app.step_time import step_times
+def test_step_times_on_cuda_wait_for_the_steps_kernels(monkeypatch):
+    # A step's GPU kernels run after the Python call returns: a timer that
+    # does not wait for them reads the launch time. Asserted on the waits, not
+    # on times (a shared GPU machine is too noisy for a timing assertion):
+    # every timed step is bracketed by a synchronize of the batch's device.
+    from pt2e_fq.app import step_time
 
-    model = torch.nn.Linear(4096, 4096).cuda()
-    x, target = torch.randn(8192, 4096, device="cuda"), torch.randn(8192, 4096, device="cuda")
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(5):
-        torch.nn.functional.mse_loss(model(x), target).backward()
-    end.record()
-    end.synchronize()
-    gpu_ms = start.elapsed_time(end) / 5
-    ms = step_times({"linear": model}, (x,), target, torch.nn.functional.mse_loss, steps=5, warmup=1)
-    assert ms["linear"] >= 0.8 * gpu_ms, (ms, gpu_ms)
+    waits = []
+    real_synchronize = torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: (waits.append(device), real_synchronize(device)))
+    model = torch.nn.Linear(64, 64).cuda()
+    x, target = torch.randn(8, 64, device="cuda"), torch.randn(8, 64, device="cuda")
+    step_time.step_times({"a": model, "b": model}, (x,), target, torch.nn.functional.mse_loss, steps=3, warmup=1)
+    assert len(waits) == 2 * 2 * (3 + 1) and all(d == x.device for d in waits), waits
