@@ -5,6 +5,10 @@
 - `to_onnx` / `check_onnx`: ONNX QDQ files, verified in ONNX Runtime (needs
   the `onnx` extra, imported only when they are called); `ort_session`: an
   ONNX Runtime session with the settings check_onnx verifies.
+- `to_qdq` / `check_lowered` / `compile_x86`: the PT2E runtimes'
+  quantize / dequantize representation (XNNPACK, Inductor x86 int8), checked
+  against the fake-quant graph; `to_executorch` / `run_pte`: ExecuTorch
+  `.pte` files with the XNNPACK delegate (needs the `executorch` extra).
 - `fold_conv_bn`: folds the QAT conv-bn pattern; `save` and `to_onnx` do it
   unless fold_bn=False.
 """
@@ -14,5 +18,10 @@ from .onnx import to_onnx
 from .onnx_check import OnnxCheck, check_onnx, ort_session
 from .program import exported_program
 from .pt2 import load, save
+from .qdq import QdqSummary, UnsupportedPointError, compile_x86, to_qdq
+from .qdq_check import LoweredCheck, check_lowered
+from .executorch import PteExport, run_pte, to_executorch
 
-__all__ = ["save", "load", "to_onnx", "check_onnx", "ort_session", "OnnxCheck", "fold_conv_bn", "exported_program"]
+__all__ = ["save", "load", "to_onnx", "check_onnx", "ort_session", "OnnxCheck", "fold_conv_bn", "exported_program",
+           "to_qdq", "QdqSummary", "UnsupportedPointError", "compile_x86", "check_lowered", "LoweredCheck",
+           "to_executorch", "run_pte", "PteExport"]

@@ -1,0 +1,95 @@
+"""ExecuTorch `.pte` files with the XNNPACK delegate.
+
+`to_executorch` lowers a converted model with to_qdq(target="xnnpack"), then
+ExecuTorch's to_edge_transform_and_lower with the XNNPACK partitioner, and
+writes the program atomically (files.py). `run_pte` runs a file in
+ExecuTorch's Python runtime (check_lowered uses it).
+
+Needs the `executorch` extra: pip install "pt2e_fq[executorch]" (executorch
+1.5.x, which runs beside torch 2.13), imported only when these are called.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+
+from ..files import check_writable, write_bytes
+from ..inputs import as_args
+from .qdq import QdqSummary, to_qdq
+
+
+def require_executorch() -> None:
+    """Raises a clear ImportError when the `executorch` extra is missing."""
+    try:
+        import executorch.exir  # noqa: F401
+        import executorch.runtime  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"ExecuTorch export needs executorch 1.5 ({e}); pip install 'pt2e_fq[executorch]'") from None
+
+
+@dataclass(frozen=True)
+class PteExport:
+    """What to_executorch wrote: the file, what to_qdq did with each point,
+    how many graph nodes the XNNPACK delegate took and which ops stayed
+    outside it (op type: count, run by ExecuTorch's portable kernels)."""
+
+    path: str
+    qdq: QdqSummary
+    delegated_subgraphs: int
+    delegated_nodes: int
+    outside: dict
+
+    def __str__(self) -> str:
+        outside = ", ".join(f"{op} x{n}" for op, n in sorted(self.outside.items())) or "none"
+        return (f"{self.path}: {len(self.qdq.lowered)} point(s) as q/dq, {len(self.qdq.in_float)} weight(s) in float; XNNPACK took "
+                f"{self.delegated_nodes} node(s) in {self.delegated_subgraphs} subgraph(s); outside: {outside}")
+
+
+def to_executorch(
+    model_or_program,
+    example_inputs,
+    path: Union[str, os.PathLike],
+    *,
+    dynamic_shapes: Optional[Any] = None,
+    unsupported: str = "error",
+) -> PteExport:
+    """Writes a converted model (or an ExportedProgram of one) as an
+    ExecuTorch `.pte` file: to_qdq(target="xnnpack") (see qdq.py for what
+    XNNPACK takes and what `unsupported` does; a point kept as our op has no
+    ExecuTorch kernel, so "keep" is refused here), then
+    to_edge_transform_and_lower with the XNNPACK partitioner. The file
+    replaces `path` only once it is complete."""
+    require_executorch()
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.devtools.backend_debug import get_delegation_info
+    from executorch.exir import to_edge_transform_and_lower
+
+    if unsupported == "keep":
+        raise ValueError(
+            "to_executorch: unsupported='keep' would leave pt2e_fq ops, which ExecuTorch cannot run "
+            "(no out variant); allowed: 'error', or 'float' to store weights XNNPACK cannot take as float"
+        )
+    check_writable(path)  # before the export's work
+    args = as_args(example_inputs)
+    program, summary = to_qdq(model_or_program, args, dynamic_shapes=dynamic_shapes, target="xnnpack",
+                              unsupported=unsupported, summary=True)
+    edge = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
+    info = get_delegation_info(edge.exported_program().graph_module)
+    outside = {op: b.non_delegated for op, b in info.delegation_by_operator.items()
+               if b.non_delegated and op != "getitem"}
+    write_bytes(path, edge.to_executorch().buffer)
+    return PteExport(os.fspath(path), summary, info.num_delegated_subgraphs, info.num_delegated_nodes, outside)
+
+
+def run_pte(path: Union[str, os.PathLike], inputs) -> list[torch.Tensor]:
+    """The outputs of a `.pte` file's forward on `inputs`, run in
+    ExecuTorch's Python runtime."""
+    require_executorch()
+    from executorch.runtime import Runtime
+
+    method = Runtime.get().load_program(os.fspath(path)).load_method("forward")
+    return list(method.execute(list(as_args(inputs))))

@@ -1,0 +1,119 @@
+"""Checks a lowered model (to_qdq's program, a compiled module, a .pte file)
+against our fake-quant graph, output by output.
+
+The promise: every quantized output is within one quantization step of
+ours. The runtimes quantize activations as round(x * (1/scale)) where our
+op divides, so an activation exactly on a rounding tie (or within an ulp of
+it) can land one code away; integer kernels (oneDNN, XNNPACK) also
+requantize their accumulators in their own arithmetic. Weights are stored
+as the codes our kernel computes, so they never differ.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from tabulate import tabulate
+from torch.utils._pytree import tree_leaves
+
+from ..blocks import expand_blocks
+from ..inputs import as_args
+from ..op_call import decode_node, is_fake_quant_node, program_constants
+from .program import exported_program
+
+# One quantization step, plus the fp32 rounding of the two dequantized values.
+_STEP_SLACK = 1 + 1e-3
+
+
+@dataclass(frozen=True)
+class OutputCheck:
+    """One output: its elements, how many differ from ours, the largest
+    |difference|, and that difference in quantization steps of the point
+    producing the output (None for an output no point produces)."""
+
+    index: int
+    numel: int
+    differing: int
+    max_abs_diff: float
+    max_steps: Optional[float]
+
+
+@dataclass(frozen=True)
+class LoweredCheck:
+    outputs: list
+
+    @property
+    def ok(self) -> bool:
+        """Every quantized output within one step of ours."""
+        return all(o.max_steps is None or o.max_steps <= _STEP_SLACK for o in self.outputs)
+
+    def __str__(self) -> str:
+        rows = [
+            (o.index, o.numel, o.differing, f"{o.max_abs_diff:.3g}",
+             "n/a (float output)" if o.max_steps is None else f"{o.max_steps:.3g}")
+            for o in self.outputs
+        ]
+        return tabulate(rows, headers=("output", "elements", "differ", "max |diff|", "max diff (steps)"))
+
+
+def _output_steps(ep: torch.export.ExportedProgram, outputs: list) -> list:
+    """Per output: the per-element step (scale) of the fake-quant point whose
+    value it is, else None."""
+    constants = program_constants(ep)
+    steps = []
+    out_node = next(n for n in ep.graph.nodes if n.op == "output")
+    for node, value in zip(tree_leaves(out_node.args), outputs):
+        step = None
+        if isinstance(node, torch.fx.Node) and node.target is operator.getitem and node.args[1] == 0:
+            op = node.args[0]
+            if is_fake_quant_node(op):
+                call = decode_node(op, constants)
+                if isinstance(call.scale, torch.Tensor) and call.scale.numel():
+                    step = expand_blocks(call.scale.float(), value.shape, call.block_size)
+        steps.append(step)
+    return steps
+
+
+def _run(lowered, args: tuple) -> list:
+    if isinstance(lowered, (str, os.PathLike)):
+        from .executorch import run_pte
+
+        return run_pte(lowered, args)
+    if isinstance(lowered, torch.export.ExportedProgram):
+        lowered = lowered.module()
+    if not callable(lowered):
+        raise TypeError(
+            "check_lowered: lowered must be an ExportedProgram, a callable (a compiled module) or the path of "
+            f"a .pte file, got {type(lowered).__name__}"
+        )
+    with torch.no_grad():
+        return tree_leaves(lowered(*args))
+
+
+def check_lowered(lowered, model, inputs) -> LoweredCheck:
+    """Runs `lowered` (to_qdq's ExportedProgram, a torch.compile'd module, or
+    a .pte path run in ExecuTorch's Python runtime) and our fake-quant graph
+    (`model`: the converted model or its ExportedProgram, QAT conv-bn folded
+    as every export does) on `inputs`, and reports per output the elements
+    that differ and the largest difference in quantization steps. `.ok`
+    says whether every quantized output is within one step."""
+    args = as_args(inputs)
+    ep = exported_program(model, args)
+    with torch.no_grad():
+        ours = [t.detach() for t in tree_leaves(ep.module()(*args))]
+    theirs = _run(lowered, args)
+    if len(theirs) != len(ours):
+        raise ValueError(f"check_lowered: the lowered model gave {len(theirs)} outputs, ours {len(ours)}")
+    checks = []
+    for i, (a, b, step) in enumerate(zip(ours, theirs, _output_steps(ep, ours))):
+        if a.shape != b.shape:
+            raise ValueError(f"check_lowered: output {i} has shape {tuple(b.shape)}, ours {tuple(a.shape)}")
+        diff = (a.float() - b.float()).abs()
+        steps = None if step is None else (diff / step).max().item() if diff.numel() else 0.0
+        checks.append(OutputCheck(i, a.numel(), int((diff != 0).sum()),
+                                  diff.max().item() if diff.numel() else 0.0, steps))
+    return LoweredCheck(checks)

@@ -1,0 +1,96 @@
+""".pte files through ExecuTorch's XNNPACK delegate, run in ExecuTorch's
+Python runtime and compared with the converted model (our fake-quant
+graph) and its output point's step."""
+
+from __future__ import annotations
+
+import builtins
+
+import pytest
+import torch
+from quantized_models import batch, ptq
+from test_export_qdq import ACT, WEIGHTS, _cnn_w8a8, _output_point
+from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
+
+import pt2e_fq as q
+from pt2e_fq.export import UnsupportedPointError, check_lowered, run_pte, to_executorch
+
+try:
+    import executorch.runtime  # noqa: F401
+
+    MISSING = None
+except ImportError as e:  # make test installs the extra; a bare checkout may not have it
+    MISSING = f"executorch is not installed ({e}); pip install 'pt2e_fq[executorch]'"
+
+needs_executorch = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+
+
+def _assert_within_one_step(out, model, x):
+    ref = model(x)
+    step = _output_point(model).scale.float()
+    diff = (out - ref).abs()
+    assert (diff <= step * (1 + 1e-3)).all(), f"max diff {diff.max().item()} vs step {step.max().item()}"
+
+
+@needs_executorch
+def test_a_w8a8_cnn_is_fully_delegated_to_xnnpack_and_runs_within_one_step(tmp_path):
+    model = _cnn_w8a8()
+    x = batch(4, (4, 3, 8, 8))
+    path = tmp_path / "cnn.pte"
+    result = to_executorch(model, x, path)
+    assert path.stat().st_size > 0
+    # Every point is a q/dq pair XNNPACK took: no quantize / dequantize, conv or linear left outside.
+    assert result.delegated_subgraphs >= 1 and not result.outside, str(result)
+    points = [n for n in model.graph.nodes
+              if n.op == "call_module" and isinstance(model.get_submodule(n.target), q.FakeQuantize)]
+    assert len(result.qdq.lowered) == len(points) == 9
+    (out,) = run_pte(path, x)
+    _assert_within_one_step(out, model, x)
+    check = check_lowered(path, model, x)
+    assert check.ok, str(check)
+
+
+@needs_executorch
+def test_per_channel_int4_weights_run_as_int8_codes(tmp_path):
+    spec = q.QSpec(q.INT4, q.PerChannel(0), "symmetric", observer=q.CurrentMinMaxObserver())
+    model = ptq(ACT, spec)
+    x = batch(9)
+    result = to_executorch(model, x, tmp_path / "int4.pte")
+    assert not result.outside, str(result)
+    (out,) = run_pte(tmp_path / "int4.pte", x)
+    _assert_within_one_step(out, model, x)
+
+
+@needs_executorch
+def test_per_group_weights_need_float_and_then_run_exactly_as_fake_quantized(tmp_path):
+    model = ptq(ACT, WEIGHTS["per_group"])
+    x = batch(9)
+    with pytest.raises(UnsupportedPointError, match="weight of conv2d.*unsupported='float'"):
+        to_executorch(model, x, tmp_path / "g.pte")
+    assert not (tmp_path / "g.pte").exists()
+    with pytest.warns(UserWarning, match="stored as float"):
+        result = to_executorch(model, x, tmp_path / "g.pte", unsupported="float")
+    assert len(result.qdq.in_float) == 2
+    (out,) = run_pte(tmp_path / "g.pte", x)
+    _assert_within_one_step(out, model, x)
+
+
+@needs_executorch
+def test_keep_is_refused_for_executorch(tmp_path):
+    with pytest.raises(ValueError, match="unsupported='keep' would leave pt2e_fq ops"):
+        to_executorch(ptq(ACT, WEIGHTS["per_channel"]), batch(9), tmp_path / "k.pte", unsupported="keep")
+
+
+def test_without_executorch_the_error_names_the_extra(monkeypatch, tmp_path):
+    real_import = builtins.__import__
+
+    def no_executorch(name, globals=None, locals=None, fromlist=(), level=0):
+        if level == 0 and name.startswith("executorch"):  # not pt2e_fq.export.executorch
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, globals, locals, fromlist, level)
+
+    monkeypatch.setattr(builtins, "__import__", no_executorch)
+    with pytest.raises(ImportError, match=r"pip install 'pt2e_fq\[executorch\]'"):
+        to_executorch(ptq(ACT, WEIGHTS["per_channel"]), batch(9), tmp_path / "m.pte")
+    with pytest.raises(ImportError, match=r"pip install 'pt2e_fq\[executorch\]'"):
+        check_lowered(tmp_path / "m.pte", ptq(ACT, WEIGHTS["per_channel"]), batch(9))
