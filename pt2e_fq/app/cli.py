@@ -3,6 +3,8 @@
     pt2e-fq demo [--out DIR]
     pt2e-fq quantize --model pkg.module:factory --example-input 1x3x32x32 --preset w8a8
                      [--calib-data batches.pt] [--qat-steps N] [--out model.pt2] [--onnx model.onnx]
+                     [--target fake_quant|generic|xnnpack|x86_inductor] [--pte model.pte]
+                     [--unsupported error|keep|float]
     pt2e-fq report model.pt2
 
 A bad argument is a one-line error naming it and what is allowed, with exit
@@ -26,6 +28,7 @@ import zipfile
 from pathlib import Path
 from typing import Optional, Sequence
 
+from ..export.qdq import TARGETS, UNSUPPORTED
 from ..files import WriteError, check_writable
 
 PROG = "pt2e-fq"
@@ -114,6 +117,16 @@ def _parser() -> argparse.ArgumentParser:
     quantize.add_argument("--lr", type=_positive_float, default=1e-4, help="QAT learning rate (Adam; default 1e-4)")
     quantize.add_argument("--out", metavar="FILE.pt2", help="save the quantized program (.pt2)")
     quantize.add_argument("--onnx", metavar="FILE.onnx", help="export to ONNX and check it in ONNX Runtime")
+    quantize.add_argument("--target", choices=("fake_quant", *TARGETS), default="fake_quant",
+                          help="what --out holds: our fake-quant ops (default), or the quantize / dequantize ops "
+                               "of a PT2E runtime (generic, xnnpack, x86_inductor: compile it with "
+                               "pt2e_fq.export.compile_x86), checked against the fake-quant graph")
+    quantize.add_argument("--pte", metavar="FILE.pte",
+                          help="export an ExecuTorch program (XNNPACK delegate; needs the executorch extra) "
+                               "and check it in ExecuTorch's runtime")
+    quantize.add_argument("--unsupported", choices=UNSUPPORTED, default="error",
+                          help="a point the target cannot take: an error (default), kept as our op, or, for a "
+                               "weight, stored as its fake-quantized floats")
     quantize.add_argument("--no-progress", action="store_true", help="no progress bars")
 
     report = commands.add_parser("report", parents=[common], help="print the per-layer table of a saved .pt2")
@@ -365,6 +378,17 @@ def cmd_demo(args) -> int:
 def cmd_quantize(args) -> int:
     _check_output("--out", args.out, ".pt2")
     _check_output("--onnx", args.onnx, ".onnx")
+    _check_output("--pte", args.pte, ".pte")
+    if args.pte:
+        from ..export.executorch import require_executorch
+
+        try:
+            require_executorch()
+        except ImportError as e:
+            raise UsageError(f"--pte: {e}") from None
+        if args.unsupported == "keep":
+            raise UsageError("--pte: --unsupported keep leaves pt2e_fq ops, which ExecuTorch cannot run; "
+                             "allowed with --pte: error, float")
     example = example_inputs(args.example_input)
     config = quantizer_config(args)
     calibration = calibration_batches(args.calib_data, example) if args.calib_data else None
@@ -378,7 +402,7 @@ def cmd_quantize(args) -> int:
             raise UsageError(f"--example-input: the model fails on inputs of shapes "
                              f"{[tuple(t.shape) for t in example]}: {type(e).__name__}: {_first_line(e)}") from None
     from . import pipeline
-    from ..export import check_onnx, save, to_onnx
+    from ..export import check_lowered, check_onnx, save, to_executorch, to_onnx, to_qdq
     from ..report import report
 
     try:
@@ -391,13 +415,24 @@ def cmd_quantize(args) -> int:
     report(converted, example, file=sys.stdout)
     batch = pipeline.batch_dynamic_shapes(example)  # the files take any batch size
     if args.out:
-        save(converted, example, args.out, dynamic_shapes=batch)
+        program = converted
+        if args.target != "fake_quant":
+            program = to_qdq(converted, example, dynamic_shapes=batch, target=args.target,
+                             unsupported=args.unsupported)
+        save(program, example, args.out, dynamic_shapes=batch)
         print(f"saved {args.out} ({Path(args.out).stat().st_size:,} bytes); load it with pt2e_fq.load")
+        if args.target != "fake_quant":
+            print(f"{args.target} q/dq program against the fake-quant graph:\n{check_lowered(program, converted, example)}")
     if args.onnx:
         to_onnx(converted, example, args.onnx, dynamic_shapes=batch)
         check = check_onnx(args.onnx, converted, example)
         print(f"saved {args.onnx} ({Path(args.onnx).stat().st_size:,} bytes); ONNX Runtime: {check.points} points "
               f"bit-exact, outputs within {check.max_abs_diff_optimized:.3g} (one step: {check.tolerance:.3g})")
+    if args.pte:
+        # ExecuTorch plans its memory for the example's shapes: the .pte takes that batch size.
+        result = to_executorch(converted, example, args.pte, unsupported=args.unsupported)
+        print(f"saved {result}")
+        print(f"ExecuTorch against the fake-quant graph:\n{check_lowered(args.pte, converted, example)}")
     return 0
 
 

@@ -1,0 +1,56 @@
+"""pt2e-fq quantize --target / --pte: the q/dq program and the ExecuTorch file
+the CLI writes, run against the fake-quant .pt2 it writes beside them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_cli import QUANTIZE, _main
+from test_export_executorch import needs_executorch
+
+import pt2e_fq
+
+qd = torch.ops.quantized_decomposed
+
+
+def test_target_x86_inductor_saves_a_qdq_program_within_one_step_of_the_fake_quant_one(capsys, tmp_path):
+    fq, lowered = tmp_path / "fq.pt2", tmp_path / "x86.pt2"
+    rc, _, err = _main(capsys, *QUANTIZE, "--preset", "w8a8", "--out", str(fq))
+    assert rc == 0, err
+    rc, out, err = _main(capsys, *QUANTIZE, "--preset", "w8a8", "--out", str(lowered), "--target", "x86_inductor")
+    assert rc == 0, err
+    assert "x86_inductor q/dq program against the fake-quant graph" in out and "max diff (steps)" in out
+    program, reference = pt2e_fq.load(lowered), pt2e_fq.load(fq)
+    ops = {n.target for n in program.graph.nodes if n.op == "call_function"}
+    assert qd.quantize_per_tensor.default in ops and not any(str(t).startswith("pt2e_fq.") for t in ops)
+    x = torch.randn(5, 16)  # another batch size than the example's: the batch stays dynamic
+    out_scale = reference.state_dict["activation_post_process_4.scale"]
+    with torch.no_grad():
+        diff = (program.module()(x) - reference.module()(x)).abs()
+    assert (diff <= out_scale * (1 + 1e-3)).all()
+
+
+def test_bad_target_and_pte_arguments(capsys, tmp_path):
+    rc, _, err = _main(capsys, *QUANTIZE, "--preset", "w8a8", "--target", "tpu")
+    assert rc == 2 and "invalid choice: 'tpu'" in err and "x86_inductor" in err
+    rc, _, err = _main(capsys, *QUANTIZE, "--preset", "w8a8", "--pte", str(tmp_path / "m.onnx"))
+    assert rc == 2 and "--pte: expected a .pte file name" in err
+    rc, _, err = _main(capsys, *QUANTIZE, "--preset", "w4a8", "--pte", str(tmp_path / "m.pte"),
+                       "--unsupported", "keep")
+    if rc == 2 and "executorch" in err and "pip install" in err:
+        pytest.skip(f"executorch is not installed: {err.strip()}")
+    assert rc == 2 and "--unsupported keep leaves pt2e_fq ops" in err
+
+
+@needs_executorch
+def test_pte_is_written_and_checked_in_executorch(capsys, tmp_path):
+    pte = tmp_path / "m.pte"
+    rc, out, err = _main(capsys, *QUANTIZE, "--preset", "w8a8", "--pte", str(pte))
+    assert rc == 0, err
+    assert pte.stat().st_size > 0
+    assert f"saved {pte}: 5 point(s) as q/dq" in out and "outside: none" in out
+    assert "ExecuTorch against the fake-quant graph" in out
+    # w4a8's groups of 32 cover each weight row (16 and 32 inputs): per-channel int4, which XNNPACK takes.
+    rc, out, err = _main(capsys, *QUANTIZE, "--preset", "w4a8", "--pte", str(pte))
+    assert rc == 0, err
+    assert "5 point(s) as q/dq, 0 weight(s) in float" in out and "outside: none" in out
