@@ -2,7 +2,7 @@
 
     pt2e-fq demo [--out DIR]
     pt2e-fq quantize --model pkg.module:factory --example-input 1x3x32x32 --preset w8a8
-                     [--calib-data batches.pt] [--qat-steps N] [--out model.pt2] [--onnx model.onnx]
+                     [--calib-data batches.pt] [--qat-steps N] [--static-batch] [--out model.pt2] [--onnx model.onnx]
                      [--target fake_quant|generic|xnnpack|x86_inductor] [--pte model.pte]
                      [--unsupported error|keep|float]
     pt2e-fq report model.pt2
@@ -115,6 +115,9 @@ def _parser() -> argparse.ArgumentParser:
     quantize.add_argument("--qat-steps", type=_int_at_least(0), default=0, metavar="N",
                           help="QAT steps after calibration, distilling the float model's outputs (default 0: PTQ)")
     quantize.add_argument("--lr", type=_positive_float, default=1e-4, help="QAT learning rate (Adam; default 1e-4)")
+    quantize.add_argument("--static-batch", action="store_true",
+                          help="export with the example's batch size (default: any batch size), for a model whose "
+                               "batch dimension cannot be dynamic; every --calib-data batch must then have it")
     quantize.add_argument("--out", metavar="FILE.pt2", help="save the quantized program (.pt2)")
     quantize.add_argument("--onnx", metavar="FILE.onnx", help="export to ONNX and check it in ONNX Runtime")
     quantize.add_argument("--target", choices=("fake_quant", *TARGETS), default="fake_quant",
@@ -237,8 +240,9 @@ def example_inputs(text: str) -> tuple:
     return tuple(torch.randn(shape, generator=generator) for shape in dims)
 
 
-def calibration_batches(path: str, example: tuple) -> list[tuple]:
-    """A list of batches, or one tensor split into batches of the example's size."""
+def calibration_batches(path: str, example: tuple, static_batch: bool = False) -> list[tuple]:
+    """A list of batches, or one tensor split into batches of the example's
+    size; with static_batch, every batch has the example's shapes."""
     import torch
 
     value = _load_pt("--calib-data", path)
@@ -258,10 +262,11 @@ def calibration_batches(path: str, example: tuple) -> list[tuple]:
             raise UsageError(f"--calib-data: {path!r} holds a {type(value).__name__}; expected a tensor or a "
                              "non-empty list of batches (each a tensor or a tuple of tensors)")
         batches = [_model_args("--calib-data", path, b) for b in value]
-    # The model is exported with a dynamic batch dimension only.
-    batch_free = [((None,) + tuple(t.shape[1:]) if t.dim() else (), t.dtype) for t in example]
+    # The model is exported with a dynamic batch dimension only, or none (--static-batch).
+    expected = [((None,) + tuple(t.shape[1:]) if t.dim() and not static_batch else tuple(t.shape), t.dtype)
+                for t in example]
     for i, batch in enumerate(batches):
-        check_inputs("--calib-data", f"batch {i} of {path!r}", batch, batch_free)
+        check_inputs("--calib-data", f"batch {i} of {path!r}", batch, expected)
         if any(t.numel() == 0 for t in batch):
             raise UsageError(f"--calib-data: batch {i} of {path!r} is empty (shapes "
                              f"{[tuple(t.shape) for t in batch]}); calibration needs at least one sample per batch")
@@ -391,7 +396,7 @@ def cmd_quantize(args) -> int:
                              "allowed with --pte: error, float")
     example = example_inputs(args.example_input)
     config = quantizer_config(args)
-    calibration = calibration_batches(args.calib_data, example) if args.calib_data else None
+    calibration = calibration_batches(args.calib_data, example, args.static_batch) if args.calib_data else None
     model = build_model(args.model)
     import torch
 
@@ -407,13 +412,14 @@ def cmd_quantize(args) -> int:
 
     try:
         converted = pipeline.quantize(model, example, config, calibration=calibration, qat_steps=args.qat_steps,
-                                      lr=args.lr, progress=not args.no_progress)
+                                      lr=args.lr, progress=not args.no_progress, dynamic_batch=not args.static_batch)
     except pipeline.ExportError as e:
         raise UsageError(f"--model: {e}") from None
     except pipeline.TrainingDiverged as e:
         raise UsageError(f"--lr: QAT diverged ({e}) at --lr {args.lr:g}; give a smaller --lr") from None
     report(converted, example, file=sys.stdout)
-    batch = pipeline.batch_dynamic_shapes(example)  # the files take any batch size
+    # The files take any batch size, or the example's with --static-batch.
+    batch = None if args.static_batch else pipeline.batch_dynamic_shapes(example)
     if args.out:
         program = converted
         if args.target != "fake_quant":

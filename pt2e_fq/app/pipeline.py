@@ -16,14 +16,15 @@ and leaves SDPA's dropout and stochastic depth random (docs/user_guide.md).
 
 `quantize` runs the whole flow for a model without labels (what the CLI
 does): calibration, then optionally QAT that distils the float model's
-outputs. The model is exported with a dynamic batch dimension, so the
-prepared and converted models take any batch size.
+outputs. The model is exported with a dynamic batch dimension (by
+default), so the prepared and converted models take any batch size.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import io
 import math
 import re
@@ -91,10 +92,25 @@ def quantizer_for(config: ConfigLike) -> FakeQuantQuantizer:
     )
 
 
-def batch_dynamic_shapes(example_args: tuple):
+def batch_dynamic_shapes(example_args: tuple, model: Optional[torch.nn.Module] = None):
     """Dimension 0 of every tensor argument dynamic (torch.export Dim.AUTO:
-    it stays static where the model needs it to)."""
-    return tuple({0: torch.export.Dim.AUTO} if t.dim() > 0 else None for t in example_args)
+    it stays static where the model needs it to). torch.export wants them
+    shaped as the parameters of the model's forward: give `model` where its
+    forward gathers arguments in `*args` (common wrappers of HF models), whose
+    entry is then one tuple for all the arguments it takes. Without `model`:
+    one entry per argument, right for a forward with one parameter per
+    argument, as the GraphModules of prepare and convert have."""
+    specs = [{0: torch.export.Dim.AUTO} if isinstance(t, torch.Tensor) and t.dim() > 0 else None
+             for t in example_args]
+    if model is None:
+        return tuple(specs)
+    grouped = []
+    for i, p in enumerate(inspect.signature(model.forward).parameters.values()):
+        if p.kind is inspect.Parameter.VAR_POSITIONAL:
+            return tuple(grouped) + (tuple(specs[i:]),)
+        if i < len(specs):
+            grouped.append(specs[i])
+    return tuple(grouped)
 
 
 def export(model: torch.nn.Module, example_inputs, *, dynamic_batch: bool = True) -> torch.fx.GraphModule:
@@ -102,7 +118,7 @@ def export(model: torch.nn.Module, example_inputs, *, dynamic_batch: bool = True
     GraphModule that prepare_pt2e takes; an ExportError when torch.export
     fails."""
     args = as_args(example_inputs)
-    dynamic_shapes = batch_dynamic_shapes(args) if dynamic_batch else None
+    dynamic_shapes = batch_dynamic_shapes(args, model) if dynamic_batch else None
     # A failed torch.export prints the partial graph to stderr (once per
     # nested tracing level), dozens of lines, before it raises; the graph
     # stays on the chained cause (`partial_fx_graph`), and whatever else was
@@ -380,13 +396,16 @@ def quantize(
     qat_steps: int = 0,
     lr: float = 1e-4,
     progress: bool = True,
+    dynamic_batch: bool = True,
 ) -> torch.fx.GraphModule:
     """The whole flow for a model without labels. PTQ: prepare, calibrate on
     `calibration` (batches; default: the example inputs), convert. With
     qat_steps > 0: prepare for QAT, calibrate, then train `qat_steps` steps
     (Adam, `lr`) to match the float model's outputs on the calibration
     batches (distillation, mean squared error), freeze and convert.
-    The model is not changed."""
+    dynamic_batch=False exports with the example's batch size (a model
+    whose batch dimension cannot be dynamic); then every calibration batch
+    must have it. The model is not changed."""
     if qat_steps < 0:
         raise ValueError(f"quantize: qat_steps must be >= 0, got {qat_steps}")
     example = as_args(example_inputs)
@@ -394,7 +413,7 @@ def quantize(
     if not batches:
         raise ValueError("quantize: calibration holds no batch")
     model = copy.deepcopy(model)
-    prepared = prepare(model, example, config, qat=qat_steps > 0)
+    prepared = prepare(model, example, config, qat=qat_steps > 0, dynamic_batch=dynamic_batch)
     calibrate(prepared, batches, progress=progress)
     if qat_steps > 0:
         model.eval()
