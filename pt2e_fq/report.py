@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 from tabulate import tabulate
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from .fake_quantize import FakeQuantize, NonFiniteQParamsError, nonfinite_entry
 from .format_kinds import INTEGER, SCALED_FLOAT, OpCall
@@ -40,6 +40,12 @@ from .inputs import as_args
 from .op_call import decode, decode_node, is_fake_quant_node, program_constants
 from .ops import unpack_mask
 from .schemes import Formulation
+
+
+def _copy(value):
+    """A copy of every tensor in `value`: a later in-place op of the model
+    (`out += x`, `relu_`) would change what was recorded by reference."""
+    return tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, value)
 
 
 class _OpCalls(TorchDispatchMode):
@@ -53,7 +59,7 @@ class _OpCalls(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if self.current is not None and func.namespace == "pt2e_fq":
-            self.calls[self.current] = (func, args, out)
+            self.calls[self.current] = (func, args, _copy(out))
         return out
 
 
@@ -69,7 +75,7 @@ class _Run(torch.fx.Interpreter):
     def call_module(self, target, args, kwargs):
         if target not in self.points:
             return super().call_module(target, args, kwargs)
-        self.inputs[target] = args[0].detach()
+        self.inputs[target] = _copy(args[0])
         self.calls.current = target
         try:
             return super().call_module(target, args, kwargs)
@@ -262,7 +268,7 @@ class _ProgramRun(torch.fx.Interpreter):
         if n.op == "call_function" and getattr(n.target, "namespace", None) == "pt2e_fq":
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             values = {**dict(zip([a.name for a in n.target._schema.arguments], args)), **kwargs}
-            self.calls[n] = (n.target, [values.get(a.name) for a in n.target._schema.arguments], out)
+            self.calls[n] = (n.target, _copy([values.get(a.name) for a in n.target._schema.arguments]), _copy(out))
         return out
 
 
