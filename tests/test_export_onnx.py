@@ -1,7 +1,7 @@
 """ONNX export: every fake-quant point becomes QuantizeLinear /
 DequantizeLinear with the right type and layout, weights become integer
 initializers, ONNX Runtime (CPU) reproduces every point bit for bit and the
-outputs within one quantization step."""
+outputs within one quantization step (the end-to-end bound on deep nets: tests/test_onnx_check.py)."""
 
 from __future__ import annotations
 

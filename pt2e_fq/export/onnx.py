@@ -84,6 +84,20 @@ def _check_opset(opset) -> None:
         )
 
 
+def _input_name(x, consumers) -> Optional[str]:
+    """The name a point's input has in the optimized file: its own while the
+    file still consumes it, else that of the value the optimizer gave its
+    consumers in its place (a removed Identity's source)."""
+    if x is None:
+        return None
+    if x.uses():
+        return x.name
+    for node, index in consumers:
+        if node.graph is not None:
+            return node.inputs[index].name
+    raise RuntimeError(f"to_onnx: the input {x.name!r} of a fake-quant point is gone from the optimized file")
+
+
 def to_onnx(
     model,
     example_inputs,
@@ -123,7 +137,7 @@ def to_onnx(
     # Where each point's Q/DQ subgraph starts and ends, for check_onnx (and
     # anyone reading the file): the names the values have in the file.
     program.model.metadata_props[POINTS_METADATA] = json.dumps(
-        [{"input": None if x is None else x.name, "output": y.name} for x, y in points]
+        [{"input": _input_name(x, consumers), "output": y.name} for x, consumers, y in points]
     )
     with atomic_write(path) as temporary:
         program.save(os.fspath(temporary), external_data=False)

@@ -130,7 +130,7 @@ def _translate_affine(call: OpCall, constants, points: list):
     if m is not None:
         y = op.Add(y, m)
     y = _as_dtype(y, x.dtype)
-    points.append((None if folded else x, y))
+    _record(points, None if folded else x, y)
     return y, constant(_NO_MASK)
 
 
@@ -156,7 +156,7 @@ def _translate_float(call: OpCall, constants, points: list):
     else:
         y = p.dequantize(p.quantize(_float32(x), zp), zp)
     y = _as_dtype(y, x.dtype)
-    points.append((None if folded else x, y))
+    _record(points, None if folded else x, y)
     return y, constant(_NO_MASK)
 
 
@@ -223,15 +223,23 @@ def _translate_mx(call: OpCall, constants, points: list):
         zp = p.filled(0, qt)
         y = p.dequantize(p.quantize(xf, zp), zp)
     y = _as_dtype(y, x.dtype)
-    points.append((None if xc is not None else x, y))
+    _record(points, None if xc is not None else x, y)
     return y, constant(_NO_MASK), constant(np.zeros(0, np.float32))  # only y is carried
+
+
+def _record(points: list, x, y) -> None:
+    """Appends a point's (input, the input's consumers, output). The exporter's
+    optimizer may remove the node that produced x (an Identity: the clone of
+    an eval-mode Dropout) and hand its consumers x's source instead; the
+    consumers, taken now, then name the value the point reads in the file."""
+    points.append((x, () if x is None else tuple(x.uses()), y))
 
 
 def translation_table(constants: Mapping[str, torch.Tensor], points: list) -> dict[Callable, Callable]:
     """{pt2e_fq op: onnxscript translation}; `constants` maps the program's
     placeholder names to their tensors (parameters, buffers, constants).
-    Each translation appends to `points` its (input, output) ONNX values,
-    input None where x was a constant stored as codes."""
+    Each translation appends to `points` its (input, input's consumers,
+    output) ONNX values, input None where x was a constant stored as codes."""
     return {
         pt2e_fq_ops.fake_quantize_affine.default: _affine(constants, points),
         pt2e_fq_ops.fake_quantize_float.default: _float(constants, points),
