@@ -171,12 +171,17 @@ def test_x86_inductor_activations_are_uint8_with_the_zero_point_shifted_by_128()
     assert sorted({n.args[2] for n in quantizes}) == sorted(set(expected))
 
 
-def test_xnnpack_pairs_are_repeated_after_views_so_a_dequantize_feeds_each_quantized_op():
-    model = ptq(ACT, WEIGHTS["per_channel"])  # conv -> relu -> [point] -> flatten -> linear
-    program = to_qdq(model, batch(9), target="xnnpack")
+@pytest.mark.parametrize("target", ["xnnpack", "x86_inductor"])
+def test_runtime_pairs_are_repeated_after_views_and_each_dequantize_has_one_user(target):
+    model = _cnn_w8a8()  # relu(conv2 + y): y feeds conv2 and the add; pool -> [point] -> flatten -> linear
+    x = batch(9, (4, 3, 8, 8))
+    program = to_qdq(model, x, target=target)
     for node in program.graph.nodes:
         if node.target in (torch.ops.aten.linear.default, torch.ops.aten.conv2d.default):
             assert node.args[0].target == qd.dequantize_per_tensor.default, node.format_node()
+        if node.target == qd.dequantize_per_tensor.default:
+            assert len(node.users) == 1, node.format_node()
+    _within_one_step(program.module()(x), model, x)
 
 
 def test_a_dynamic_batch_program_keeps_its_dynamic_batch():

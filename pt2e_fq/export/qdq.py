@@ -29,7 +29,8 @@ What each target takes:
 For both runtimes each quantized op needs a dequantize directly in front of
 it, so an activation's pair is repeated after pass-through ops (view,
 flatten, permute, ...), which is exact: a per-tensor quantize of values
-already on the grid returns their codes.
+already on the grid returns their codes; and each user of a dequantize gets
+its own copy (as torchao's DuplicateDQPass gives the stock flow).
 
 A point with another format (FP8, MX, NVFP4), a MINVAL formulation, scales
 computed in the graph (dynamic points), a used clamp mask, or a granularity
@@ -326,6 +327,21 @@ def _repeat_through_views(gm: torch.fx.GraphModule) -> None:
         node.replace_all_uses_with(new_dq, delete_user_cb=lambda user: user is not q)
 
 
+def _one_dequantize_per_user(gm: torch.fx.GraphModule) -> None:
+    """Gives each user of a shared activation dequantize its own copy, as
+    torchao's DuplicateDQPass does for the stock flow: XNNPACK's partitioner
+    matches dq -> op per op, and a dq shared by a conv and a residual add
+    split the conv net's delegate into 7 subgraphs (1 with copies)."""
+    for dq in list(gm.graph.nodes):
+        if dq.target != qd.dequantize_per_tensor.default or len(dq.users) < 2:
+            continue
+        for user in list(dq.users)[1:]:
+            with gm.graph.inserting_after(dq):
+                copy = gm.graph.call_function(dq.target, dq.args, dict(dq.kwargs))
+            copy.meta.update(dq.meta)
+            user.replace_input_with(dq, copy)
+
+
 def _delete_unused_attributes(gm: torch.fx.GraphModule) -> None:
     """Drops the float weights (and qparams) no node reads any more, so the
     lowered program does not carry them."""
@@ -399,6 +415,7 @@ def lower_points(gm: torch.fx.GraphModule, target: str, unsupported: str) -> Qdq
         points.append(Point(name, module, role, lowered_as))
     if target != "generic":
         _repeat_through_views(gm)
+        _one_dequantize_per_user(gm)
     gm.graph.eliminate_dead_code()
     _delete_unused_attributes(gm)
     gm.recompile()
