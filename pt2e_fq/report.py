@@ -9,7 +9,9 @@ weight / output of which op), format, granularity, scale and zero-point
 ranges, the share of elements clipped (from the op's clamp mask), the SQNR
 of the fake-quantized tensor against its float input (over its finite
 elements) and how many NaN / Inf values the point's observer ignored while
-calibrating. A summary compares the float and quantized weight bytes.
+calibrating. A summary compares the float and quantized weight bytes; above
+it, a warning names every op that reads a weight (a parameter of two or more
+dimensions) with no fake-quant point on it: weights that stayed float.
 
 A program (`pt2e_fq.load(path)`, any ExportedProgram) has op calls where a
 model has FakeQuantize modules: each call is a point, named after the FakeQuantize
@@ -21,6 +23,7 @@ runs on the example inputs saved with it.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import operator
 import sys
@@ -92,6 +95,58 @@ def _is_constant(node: torch.fx.Node) -> bool:
     ) and bool(node.all_input_nodes)
 
 
+def weight_readers(gm: torch.fx.GraphModule, is_point) -> dict[str, tuple[tuple, list[torch.fx.Node]]]:
+    """{weight: (its shape, its readers)} for every float parameter or
+    buffer of `gm` with two or more dimensions (not a bias or norm scale):
+    its readers are the first nodes on each of its ways through the graph
+    that are points (`is_point(node)`) or compute with more than constants
+    (a weight passes through its views, the QAT conv-bn scaling and a
+    program's fake-quant call on constants before it meets its op)."""
+    found = {}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        value = functools.reduce(getattr, node.target.split("."), gm)
+        if not (isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() >= 2):
+            continue
+        readers, todo = [], list(node.users)
+        while todo:
+            user = todo.pop(0)
+            if is_point(user) or not _is_constant(user):
+                if user.op != "output" and user not in readers:
+                    readers.append(user)
+            else:
+                todo += list(user.users)
+        found[node.target] = (tuple(value.shape), readers)
+    return found
+
+
+def float_weight_ops(gm: torch.fx.GraphModule, is_point) -> list[dict]:
+    """The ops that read a weight (see weight_readers) with no point on the
+    way: {op (node name), target (the op), module (path), weights [(name, shape)]}."""
+    ops: dict[torch.fx.Node, dict] = {}
+    for name, (shape, readers) in weight_readers(gm, is_point).items():
+        for reader in readers:
+            if not is_point(reader):
+                entry = ops.setdefault(reader, dict(op=reader.name, target=_target_name(reader),
+                                                    module=_module_path(reader), weights=[]))
+                entry["weights"].append((name, shape))
+    return list(ops.values())
+
+
+def float_weights_text(ops: list[dict]) -> str:
+    """The warning of float_weight_ops, or "" where there is none."""
+    if not ops:
+        return ""
+    where = "; ".join(f"{o['op']} ({o['target']}) in module '{o['module']}': "
+                      + ", ".join(f"{n} {tuple(shape)}" for n, shape in o["weights"]) for o in ops)
+    return f"{len(ops)} op(s) with weights stay in float, no fake-quant point on their weights: {where}"
+
+
+def _target_name(node: torch.fx.Node) -> str:
+    return getattr(node.target, "_opname", None) or str(node.target)
+
+
 def _module_path(node: torch.fx.Node) -> str:
     stack = node.meta.get("nn_module_stack")
     if stack:
@@ -112,8 +167,10 @@ def _role(src: torch.fx.Node, point: torch.fx.Node) -> tuple[str, str]:
     users = list(point.users)
     if _is_constant(src):
         user = users[0]
-        # A constant operand is a weight (linear, conv, embedding, matmul), except a bias (argument 2).
-        kind = "bias" if point in user.args and list(user.args).index(point) == 2 else "weight"
+        # A constant operand is a weight (linear, conv, embedding, matmul), except a bias
+        # (argument 2; addmm(bias, x, weight): argument 0).
+        bias_arg = 0 if user.target is torch.ops.aten.addmm.default else 2
+        kind = "bias" if point in user.args and list(user.args).index(point) == bias_arg else "weight"
         return _module_path(user), f"{kind} of {user.name}"
     consumers = [u.name for u in users if u.op != "output"]
     if src.op == "placeholder":
@@ -154,12 +211,17 @@ class Report:
     run, e.g. with fake quant disabled; nonfinite: the NaN / Inf values its
     observer ignored, None where unknown: a dynamic point, a program); weight bytes
     of all parameters in float, and with the quantized weights at their
-    format's width plus their qparams; how many weight / bias points ran."""
+    format's width plus their qparams; how many weight / bias points ran;
+    float_weight_ops: the ops reading a weight with no fake-quant point on
+    its way (an LSTM, an op no config pattern covers, or one whose config
+    leaves its weight float: a report cannot tell), as float_weight_ops
+    gives them; a warning line above the summary names them."""
 
     rows: list[dict] = field(default_factory=list)
     float_weight_bytes: int = 0
     quantized_weight_bytes: float = 0.0
     quantized_weights: int = 0
+    float_weight_ops: list[dict] = field(default_factory=list)
 
     def add(self, point: str, module_and_role: tuple[str, str], fmt: str, granularity: str, bits: float,
             call: Optional[tuple], x: Optional[torch.Tensor], nonfinite: Optional[int] = None) -> None:
@@ -199,7 +261,9 @@ class Report:
         ]
         headers = ["point", "module", "role", "format", "granularity", "scale", "zero point", "clipped", "SQNR dB",
                    "NaN/Inf ignored"]
-        return tabulate(body, headers=headers) + "\n" + self.summary()
+        # Not for a model without points: the summary says that nothing is quantized.
+        warning = float_weights_text(self.float_weight_ops) if self.rows else ""
+        return tabulate(body, headers=headers) + (f"\nwarning: {warning}" if warning else "") + "\n" + self.summary()
 
     def summary(self) -> str:
         """The weights line; it says so where nothing is quantized (a
@@ -243,6 +307,7 @@ def report(model, example_inputs=None, *, file=sys.stdout) -> Report:
 
     result = Report(float_weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()))
     result.quantized_weight_bytes = float(result.float_weight_bytes)
+    result.float_weight_ops = float_weight_ops(model, set(nodes).__contains__)
     for node in nodes:
         name, m = node.target, model.get_submodule(node.target)
         spec = m.qspec
@@ -287,6 +352,7 @@ def _report_program(program: torch.export.ExportedProgram, example_inputs, file)
         run.run(*tree_leaves(args))
     result = Report(float_weight_bytes=sum(p.numel() * p.element_size() for p in gm.parameters()))
     result.quantized_weight_bytes = float(result.float_weight_bytes)
+    result.float_weight_ops = float_weight_ops(gm, is_fake_quant_node)
     for node, call in run.calls.items():
         func, op_args, out = call
         op_call = decode(func, op_args)

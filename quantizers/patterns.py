@@ -61,23 +61,27 @@ _WEIGHTED_OPS = {
     "conv_transpose1d": (aten.conv_transpose1d.default,),
     "conv_transpose2d": (aten.conv_transpose2d.input,),
 }
-_MATMUL_OPS = {"matmul": (aten.matmul.default,), "bmm": (aten.bmm.default,)}
+_MATMUL_OPS = {"matmul": (aten.matmul.default,), "bmm": (aten.bmm.default,), "mm": (aten.mm.default,)}
+# Linears written otherwise: addmm(bias, x, weight (in, out)), as transformers'
+# Conv1D (GPT-2) computes them, and a two-operand einsum with a 2-D parameter.
+_LINEAR_FORMS = {"addmm": (aten.addmm.default,), "einsum": (aten.einsum.default,)}
 _BINARY_OPS = {"add": _with_inplace((aten.add.Tensor,)), "mul": _with_inplace((aten.mul.Tensor,))}
 _CONCAT_OPS = {"cat": (aten.cat.default,), "stack": (aten.stack.default,)}
 _EMBEDDING_OPS = {"embedding": (aten.embedding.default,)}
 
-OP_TYPES = tuple({**_WEIGHTED_OPS, **_MATMUL_OPS, **_EMBEDDING_OPS, **_BINARY_OPS, **_CONCAT_OPS})
+_TABLES = (_WEIGHTED_OPS, _MATMUL_OPS, _LINEAR_FORMS, _EMBEDDING_OPS, _BINARY_OPS, _CONCAT_OPS)
+OP_TYPES = tuple(name for table in _TABLES for name in table)
 _OP_TYPE_OF = {
     op: name
-    for table in (_WEIGHTED_OPS, _MATMUL_OPS, _EMBEDDING_OPS, _BINARY_OPS, _CONCAT_OPS)
+    for table in _TABLES
     for name, ops in table.items()
     for op in ops
 }
 
 # Conv weights are stored (out, in/groups, ...), conv_transpose weights
 # (in, out/groups, ...): weight granularity axes 0 and 1 are swapped for them.
-TRANSPOSED_WEIGHT_OPS = ("conv_transpose1d", "conv_transpose2d")
-_CONV_OPS = ("conv1d", "conv2d", "conv3d", *TRANSPOSED_WEIGHT_OPS)
+_TRANSPOSED_WEIGHT_OPS = ("conv_transpose1d", "conv_transpose2d")
+_CONV_OPS = ("conv1d", "conv2d", "conv3d", *_TRANSPOSED_WEIGHT_OPS)
 
 # Activations quantized together with the op before them.
 _ACTIVATIONS = set(_with_inplace((
@@ -114,6 +118,9 @@ class OpMatch:
     output: the node whose output carries the op's output_activation (the end
         of a fused op -> [batch_norm] -> [activation] chain), or None.
     inner: the nodes between the op and `output`, quantized by neither.
+    weight_transposed: the weight is stored (in, out, ...) rather than the
+        (out, in, ...) of linear and conv weights that configs are written in
+        (conv_transpose, addmm, a parameter on the right of a matmul).
     """
 
     op_type: str
@@ -122,6 +129,7 @@ class OpMatch:
     shared_inputs: bool = False
     output: Optional[Node] = None
     inner: list[Node] = field(default_factory=list)
+    weight_transposed: bool = False
 
 
 def is_float_tensor(node) -> bool:
@@ -187,18 +195,52 @@ def _fused_output(node: Node, allow_batch_norm: bool) -> tuple[Node, list[Node]]
     return chain[-1], chain[:-1]
 
 
+def _einsum_linear(node: Node) -> Optional[tuple[Node, Node, bool]]:
+    """(input, weight, weight_transposed) of an einsum that is a linear: two
+    operands, one a 2-D parameter sharing one index with the input, the
+    input's last (`...bi,oi->...bo`, or `io` for a weight stored (in, out)),
+    summed over, and keeping its other index in the output; else None."""
+    equation, operands = node.args[0].replace(" ", ""), node.args[1]
+    if "->" not in equation or len(operands) != 2:
+        return None
+    terms, out = equation.split("->")
+    terms = terms.split(",")
+    params = [i for i, a in enumerate(operands) if isinstance(a, Node) and _is_param(a)]
+    if len(params) != 1 or len(terms[params[0]]) != 2:
+        return None
+    w_term, x_term = terms[params[0]], terms[1 - params[0]]
+    summed = [c for c in w_term if c in x_term and c not in out]
+    kept = [c for c in w_term if c not in x_term and c in out]
+    if len(summed) != 1 or len(kept) != 1 or not x_term.endswith(summed[0]):
+        return None
+    return operands[1 - params[0]], operands[params[0]], w_term.index(kept[0]) == 1
+
+
 def match(node: Node) -> Optional[OpMatch]:
     """The OpMatch of a node whose op takes an op config, else None."""
     if node.op != "call_function" or node.target not in _OP_TYPE_OF:
         return None
     op_type = _OP_TYPE_OF[node.target]
     args = node.args
+    transposed = op_type in _TRANSPOSED_WEIGHT_OPS
     if op_type in _WEIGHTED_OPS:
         inputs = [(args[0], INPUT), (args[1], WEIGHT)]
         if len(args) > 2 and isinstance(args[2], Node):
             inputs.append((args[2], BIAS))
     elif op_type in _MATMUL_OPS:
         inputs = [(a, WEIGHT if _is_param(a) else INPUT) for a in args[:2]]
+        # x @ W: a 2-D weight on the right is stored (in, out).
+        transposed = _is_param(args[1]) and not _is_param(args[0]) and len(args[1].meta["val"].shape) == 2
+    elif op_type == "addmm":
+        if not (isinstance(args[2], Node) and _is_param(args[2])):
+            return None  # a product of two activations plus a tensor: no weight, left in float
+        inputs, transposed = [(args[0], BIAS), (args[1], INPUT), (args[2], WEIGHT)], True
+    elif op_type == "einsum":
+        linear = _einsum_linear(node)
+        if linear is None:
+            return None
+        x, w, transposed = linear
+        inputs = [(x, INPUT), (w, WEIGHT)]
     elif op_type in _EMBEDDING_OPS:
         return OpMatch(op_type, node, [(args[0], WEIGHT)])  # weight only: the indices are integers
     elif op_type in _BINARY_OPS:
@@ -218,4 +260,4 @@ def match(node: Node) -> Optional[OpMatch]:
     if not all(is_float_tensor(a) for a, _ in inputs):
         return None
     end, inner = _fused_output(node, allow_batch_norm=op_type in _CONV_OPS)
-    return OpMatch(op_type, node, inputs, output=end, inner=inner)
+    return OpMatch(op_type, node, inputs, output=end, inner=inner, weight_transposed=transposed)

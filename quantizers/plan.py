@@ -25,9 +25,10 @@ from typing import Optional, Union
 from torch.fx import GraphModule, Node
 
 from pt2e_fq import PerBlock, PerChannel, PerGroup, PerTensor, QSpec
+from pt2e_fq.report import float_weight_ops
 
 from .config import OpConfig, QuantizerConfig
-from .patterns import AVERAGING_POOLS, TRANSPOSED_WEIGHT_OPS, WEIGHT, OpMatch, match, passes_grid
+from .patterns import AVERAGING_POOLS, WEIGHT, OpMatch, match, passes_grid
 
 EdgeOrNode = Union[Node, tuple[Node, Node]]
 
@@ -75,8 +76,13 @@ class PlannedOp:
 
 @dataclass
 class Plan:
+    """ops: every op an op config can reach; float_weight_ops: the ops that
+    read a weight (two or more dimensions) and that no op pattern covers, so
+    no config can quantize it (pt2e_fq.report.float_weight_ops)."""
+
     ops: list[PlannedOp] = field(default_factory=list)
     annotations: dict[Node, NodeAnnotation] = field(default_factory=dict)
+    float_weight_ops: list[dict] = field(default_factory=list)
 
     def points(self):
         """(node, tensor, role, point) for every point: `tensor` is the value
@@ -104,7 +110,7 @@ def node_or_edge_name(where: EdgeOrNode) -> str:
 
 def _swap_axes_0_1(spec: QSpec) -> QSpec:
     """Weight axes are given in the (out, in, ...) layout of linear and conv
-    weights; conv_transpose stores (in, out/groups, ...)."""
+    weights; conv_transpose, addmm and x @ W store (in, out, ...)."""
     g = spec.granularity
     swap = {0: 1, 1: 0}
     if isinstance(g, PerChannel):
@@ -162,7 +168,7 @@ class _Walk:
         group_root = None
         for arg, role in m.inputs:
             spec = getattr(cfg, role)
-            if spec is not None and role == WEIGHT and m.op_type in TRANSPOSED_WEIGHT_OPS:
+            if spec is not None and role == WEIGHT and m.weight_transposed:
                 spec = _swap_axes_0_1(spec)
             p = PlannedInput(arg, role, spec)
             planned.inputs.append(p)
@@ -186,6 +192,7 @@ class _Walk:
             self.quantized[m.output] = (cfg.output_activation, m.output)
 
     def run(self, gm: GraphModule) -> Plan:
+        matched = set()
         for node in gm.graph.nodes:
             if node.op != "call_function":
                 continue
@@ -199,6 +206,8 @@ class _Walk:
                 m = match(node)
                 if m is not None:
                     self.op(m)
+                    matched.add(node)
+        self.plan.float_weight_ops = float_weight_ops(gm, matched.__contains__)
         return self.plan
 
 

@@ -10,6 +10,7 @@ what it will do before prepare.
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional, Union
 
 import torch
@@ -19,6 +20,7 @@ from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, Quantize
 
 from pt2e_fq import QSpec
 from pt2e_fq.blocks import reduced_shape
+from pt2e_fq.report import float_weights_text
 
 from .config import OP_CONFIG_KEYS, QuantizerConfig
 from .plan import Plan, PlannedInput, Point, build_plan, module_stack, node_or_edge_name
@@ -60,8 +62,8 @@ def _shape_text(shape) -> str:
 
 
 class FakeQuantQuantizer(Quantizer):
-    """Annotates linear, conv, conv_transpose, matmul/bmm, embedding, add,
-    mul, cat and stack nodes as `config` says (see quantizers.patterns for
+    """Annotates linear, conv, conv_transpose, matmul/bmm/mm, addmm and
+    einsum linears, embedding, add, mul, cat and stack nodes as `config` says (see quantizers.patterns for
     the patterns and quantizers.plan for how points are shared)."""
 
     def __init__(self, config: QuantizerConfig):
@@ -79,7 +81,11 @@ class FakeQuantQuantizer(Quantizer):
     # -- torchao Quantizer ----------------------------------------------------------
 
     def annotate(self, model: GraphModule) -> GraphModule:
+        """Writes the plan's annotations; warns naming every op with weights
+        that no op pattern covers (their weights stay float)."""
         plan = self.plan(model)
+        if plan.float_weight_ops:
+            warnings.warn(f"FakeQuantQuantizer: {float_weights_text(plan.float_weight_ops)}", stacklevel=2)
         specs: dict[QSpec, object] = {}
 
         def torchao_spec(point: Optional[Point]):
@@ -146,7 +152,8 @@ class FakeQuantQuantizer(Quantizer):
 
     def describe(self, model: Union[GraphModule, torch.export.ExportedProgram], print_table: bool = True) -> str:
         """A table of every op the config reaches and what each of its
-        tensors gets, before prepare; printed and returned."""
+        tensors gets, before prepare, then a warning naming every op with
+        weights that no op pattern covers; printed and returned."""
         plan = self.plan(model)
         rows = []
         for op in plan.ops:
@@ -174,6 +181,8 @@ class FakeQuantQuantizer(Quantizer):
                              f"{ann.output.qspec} (shared with {name})"])
         table = tabulate(rows, headers=["node", "op", "module", "config from", *OP_CONFIG_KEYS])
         table += f"\n{plan.num_modules} fake-quant module(s)"
+        if plan.float_weight_ops:
+            table += "\nwarning: " + float_weights_text(plan.float_weight_ops)
         if print_table:
             print(table)
         return table
