@@ -68,6 +68,7 @@ class PlannedOp:
     config: Optional[OpConfig]
     rule: str
     inputs: list[PlannedInput] = field(default_factory=list)
+    output_is_model_output: bool = False  # its output is read by the model's outputs only
 
     @property
     def node(self) -> Node:
@@ -120,6 +121,12 @@ def _swap_axes_0_1(spec: QSpec) -> QSpec:
     elif isinstance(g, PerBlock) and len(g.block) >= 2:
         g = PerBlock((g.block[1], g.block[0], *g.block[2:]))
     return dataclasses.replace(spec, granularity=g)
+
+
+def _only_model_output(node: Node) -> bool:
+    """Every reader of the node, seen through pass-through ops, is the graph's output."""
+    return bool(node.users) and all(u.op == "output" or (passes_grid(u) and _only_model_output(u))
+                                    for u in node.users)
 
 
 class _Walk:
@@ -187,7 +194,9 @@ class _Walk:
             return
         for inner in m.inner:
             self.annotation(inner)
-        if m.output is not None and cfg.output_activation is not None:
+        planned.output_is_model_output = m.output is not None and _only_model_output(m.output)
+        if m.output is not None and cfg.output_activation is not None and (
+                self.config.model_output or not planned.output_is_model_output):
             self.annotation(m.output).output = Point(cfg.output_activation)
             self.quantized[m.output] = (cfg.output_activation, m.output)
 
