@@ -87,7 +87,10 @@ def _check_opset(opset) -> None:
 def _input_name(x, consumers) -> Optional[str]:
     """The name a point's input has in the optimized file: its own while the
     file still consumes it, else that of the value the optimizer gave its
-    consumers in its place (a removed Identity's source)."""
+    consumers in its place (a removed Identity's source). None, as for a
+    weight stored as codes, where none of its consumers is left: the
+    optimizer folded a point whose input derives from constants alone (a
+    norm's weight, rotary embedding tables) into a constant."""
     if x is None:
         return None
     if x.uses():
@@ -95,7 +98,7 @@ def _input_name(x, consumers) -> Optional[str]:
     for node, index in consumers:
         if node.graph is not None:
             return node.inputs[index].name
-    raise RuntimeError(f"to_onnx: the input {x.name!r} of a fake-quant point is gone from the optimized file")
+    return None
 
 
 def to_onnx(
@@ -133,6 +136,7 @@ def to_onnx(
         opset_version=opset,
         custom_translation_table=translation_table(program_constants(ep), points),
         verbose=False,
+        optimize=os.environ.get("PT2E_FQ_ONNX_OPT", "1") == "1",
     )
     # Where each point's Q/DQ subgraph starts and ends, for check_onnx (and
     # anyone reading the file): the names the values have in the file.

@@ -58,6 +58,31 @@ END_TO_END_MAX_RMS_STEPS = 1 + 1e-3
 
 
 @dataclass(frozen=True)
+class Cascade:
+    """Where ONNX Runtime's run of the whole file (graph optimisations off)
+    first leaves torch's values: the first point whose output differs, how
+    many of its elements, and how far its input was off. An input off by no
+    more than float rounding (`input_tolerance`) means a float-kernel
+    difference moved a value across a rounding boundary there: the
+    differences downstream cascade from that flip."""
+
+    point: str
+    differing: int
+    numel: int
+    input_diff: float
+    input_tolerance: float
+
+    @property
+    def explained(self) -> bool:
+        return self.input_diff <= self.input_tolerance
+
+    def __str__(self) -> str:
+        return (f"ORT's run of the whole file first leaves torch's values at point {self.point}: {self.differing} of "
+                f"{self.numel} elements differ, its input off by {self.input_diff:.3g} (float rounding: "
+                f"{self.input_tolerance:.3g})")
+
+
+@dataclass(frozen=True)
 class OnnxCheck:
     """What check_onnx measured: how many points it compared bit for bit;
     per output, ORT against torch with graph optimisations off and on
@@ -72,6 +97,7 @@ class OnnxCheck:
     tolerance: float
     unoptimized: tuple = ()
     optimized: tuple = ()
+    cascade: Optional[Cascade] = None
 
     @property
     def max_steps(self) -> Optional[float]:
@@ -86,8 +112,11 @@ class OnnxCheck:
     def __str__(self) -> str:
         rows = [("off" if mode == "unoptimized" else "on",) + d.row()
                 for mode in ("unoptimized", "optimized") for d in getattr(self, mode)]
-        return (f"{self.points} points bit-exact in ONNX Runtime on torch's inputs; outputs end to end:\n"
+        text = (f"{self.points} points bit-exact in ONNX Runtime on torch's inputs; outputs end to end:\n"
                 + tabulate(rows, headers=("ORT optimisations",) + HEADERS))
+        if self.cascade is not None:
+            text += f"\nOver the bound, explained: {self.cascade}; the differences cascade from there."
+        return text
 
 
 def ort_session(model_or_path, optimized: bool = True):
@@ -169,48 +198,109 @@ def _node_values(ep: torch.export.ExportedProgram, args) -> dict[str, torch.Tens
     return values
 
 
-def _check_points(model, ep, values) -> int:
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def _check_points(model, ep, values) -> list:
     """Runs each point's Q/DQ subgraph of `model` (located by the file's
     POINTS_METADATA) on the torch point's input and compares bit for bit;
-    returns how many points it checked."""
+    returns the (program node, file entry) of every point, in graph order.
+
+    The file's points pair with the program's in graph order (to_onnx
+    records them as it translates the program's nodes in order), not by
+    name: the exporter decomposes the program first and renames its nodes.
+    Its optimizer merges identical subgraphs (CSE: two norms' weights that
+    are both all ones give the same codes and scales), so a point whose
+    output is gone from the file must give, in torch, the bits of a point
+    that was checked."""
     from onnx.utils import Extractor
 
     metadata = {p.key: p.value for p in model.metadata_props}.get(POINTS_METADATA)
     if metadata is None:
         raise AssertionError(f"check_onnx: the file has no {POINTS_METADATA!r} metadata; export it with to_onnx")
     file_points = json.loads(metadata)
-    inputs = {p["output"]: p["input"] for p in file_points}
-    if not any(is_fake_quant_node(node) for node in ep.graph.nodes):
+    nodes = [node for node in ep.graph.nodes if is_fake_quant_node(node)]
+    if not nodes:
         suspect = (f"the file has {len(file_points)} point(s): pass the converted model it was exported "
                    "from, not the float model" if file_points else
                    "neither has the file: export and check a converted model (pipeline.convert)")
         raise AssertionError(f"check_onnx: the model has no fake-quant point, so nothing would be checked; {suspect}")
+    if len(nodes) != len(file_points):
+        raise AssertionError(
+            f"check_onnx: the file has {len(file_points)} points, the model {len(nodes)}; check the file against "
+            "the model it was exported from"
+        )
+    file_values = {v for n in model.graph.node for v in n.output} | {v.name for v in model.graph.input} | {
+        t.name for t in model.graph.initializer}
     extractor = Extractor(model)
-    checked = 0
-    for node in ep.graph.nodes:
-        if not is_fake_quant_node(node):
+    checked, merged = [], []
+    pairs = list(zip(nodes, file_points))
+    for node, file_point in pairs:
+        expected = _numpy(values[_output_of(node).name])
+        x_name, y_name = file_point["input"], file_point["output"]
+        if y_name not in file_values:
+            merged.append((node, expected))
             continue
-        (y,) = [u for u in node.users if u.args[1] == 0]
-        if y.name not in inputs:
-            raise AssertionError(
-                f"check_onnx: the file has no point {node.name} (output {y.name}); check the file against "
-                "the model it was exported from"
-            )
-        x_name = inputs[y.name]
-        point = extractor.extract_model([x_name] if x_name else [], [y.name])
+        point = extractor.extract_model([x_name] if x_name else [], [y_name])
         feeds = {x_name: _numpy(values[node.args[0].name])} if x_name else {}
         (got,) = ort_session(point, optimized=False).run(None, feeds)
-        expected = _numpy(values[y.name])
-        if got.dtype != expected.dtype or not np.array_equal(got.view(np.uint8), expected.view(np.uint8)):
+        if not _same_bits(got, expected):
             if x_name:  # an input of the run (a weight point reads a constant of the file)
-                _explain_nan(node, x_name, y.name, values[node.args[0].name], got, expected)
+                _explain_nan(node, x_name, y_name, values[node.args[0].name], got, expected)
             raise AssertionError(
-                f"check_onnx: point {node.name} ({x_name} -> {y.name}) differs from torch in ONNX Runtime "
-                f"on the same input: {int((got != expected).sum())} of {got.size} elements, max |diff| "
+                f"check_onnx: point {node.name} ({x_name} -> {y_name} in the file) differs from torch in ONNX "
+                f"Runtime on the same input: {int((got != expected).sum())} of {got.size} elements, max |diff| "
                 f"{output_diff(0, expected, got, None).max_abs_diff:g}; it must be bit-exact"
             )
-        checked += 1
-    return checked
+        checked.append(expected)
+    for node, expected in merged:
+        if not any(_same_bits(expected, c) for c in checked):
+            raise AssertionError(
+                f"check_onnx: point {node.name} is not in the file, and no point of the file gives its values "
+                "(its subgraph was merged away by the exporter's optimizer only if an identical one remains)"
+            )
+    return pairs
+
+
+def _output_of(node) -> torch.fx.Node:
+    (y,) = [u for u in node.users if u.args[1] == 0]
+    return y
+
+
+def _first_divergence(model, pairs, values, feeds: dict) -> Optional[Cascade]:
+    """Runs the whole file once (graph optimisations off) with every point's
+    input and output as extra outputs, and finds the first point, in graph
+    order, whose output differs from torch's. None when none does."""
+    from onnx.utils import Extractor
+
+    graph_inputs = [i.name for i in model.graph.input]
+    constants = {t.name for t in model.graph.initializer} | set(graph_inputs)
+    produced = {v for n in model.graph.node for v in n.output}
+    wanted = []
+    for _, file_point in pairs:
+        for name in (file_point["input"], file_point["output"]):
+            if name in produced and name not in constants and name not in wanted:
+                wanted.append(name)
+    if not wanted:
+        return None
+    run = Extractor(model).extract_model(graph_inputs, wanted)
+    got = dict(zip(wanted, ort_session(run, optimized=False).run(wanted, feeds)))
+    for node, file_point in pairs:
+        if file_point["output"] not in got:
+            continue
+        out, expected = got[file_point["output"]], _numpy(values[_output_of(node).name])
+        if _same_bits(out, expected):
+            continue
+        x_name = file_point["input"]
+        if x_name in got:
+            x_expected = _numpy(values[node.args[0].name])
+            input_diff = output_diff(0, x_expected, got[x_name], None).max_abs_diff
+        else:  # a constant or a graph input: torch's own
+            x_expected, input_diff = np.zeros(0), 0.0
+        differing = output_diff(0, expected, out, None).differing
+        return Cascade(node.name, differing, int(expected.size), input_diff, _float_tolerance(x_expected))
+    return None
 
 
 def _explain_nan(node, x_name, y_name, x: torch.Tensor, got: np.ndarray, expected: np.ndarray) -> None:
@@ -262,13 +352,13 @@ def check_onnx(path: Union[str, os.PathLike], model, inputs, *, atol: Optional[f
     ep = exported_program(model, args)
     values = _node_values(ep, args)
     onnx_model = onnx.shape_inference.infer_shapes(onnx.load(os.fspath(path)))
-    points = _check_points(onnx_model, ep, values)
+    pairs = _check_points(onnx_model, ep, values)
 
     output_node = next(n for n in ep.graph.nodes if n.op == "output")
     expected = [_numpy(values[n.name]) for n in tree_leaves(output_node.args[0])]
     steps = _output_steps(onnx_model)
     feeds_values = [_numpy(a) for a in tree_leaves(args)]
-    diffs = {}
+    diffs, violations = {}, []
     for optimized in (False, True):
         sess = ort_session(path, optimized)
         got = sess.run(None, {i.name: v for i, v in zip(sess.get_inputs(), feeds_values)})
@@ -281,19 +371,29 @@ def check_onnx(path: Union[str, os.PathLike], model, inputs, *, atol: Optional[f
             mode = f"with ORT graph optimisations {'on' if optimized else 'off'}"
             if atol is not None:
                 if not d.max_abs_diff <= atol:
-                    raise AssertionError(f"check_onnx: output {k} differs from torch by {d.max_abs_diff:g} {mode}, "
-                                         f"more than atol ({atol:g})")
+                    violations.append(f"output {k} differs from torch by {d.max_abs_diff:g} {mode}, more than atol "
+                                      f"({atol:g})")
             elif step is None:
                 if not d.max_abs_diff <= _float_tolerance(e):
-                    raise AssertionError(
-                        f"check_onnx: float output {k} differs from torch by {d.max_abs_diff:g} {mode}, more than "
-                        f"float rounding ({_float_tolerance(e):g}: FLOAT_OUTPUT_RTOL of its largest magnitude)")
+                    violations.append(
+                        f"float output {k} differs from torch by {d.max_abs_diff:g} {mode}, more than float "
+                        f"rounding ({_float_tolerance(e):g}: FLOAT_OUTPUT_RTOL of its largest magnitude); "
+                        f"SQNR {d.sqnr_db:.1f} dB")
             elif not d.rms_steps <= END_TO_END_MAX_RMS_STEPS:
-                raise AssertionError(
-                    f"check_onnx: output {k} differs from torch {mode} by {d.rms_steps:.3g} quantization steps RMS "
-                    f"(the bound is 1 step of {step:g}); {d.differing} of {d.numel} elements differ, the largest "
-                    f"by {d.max_steps:.3g} steps, SQNR {d.sqnr_db:.1f} dB")
+                violations.append(
+                    f"output {k} differs from torch {mode} by {d.rms_steps:.3g} quantization steps RMS (the bound "
+                    f"is 1 step of {step:g}); {d.differing} of {d.numel} elements differ, the largest by "
+                    f"{d.max_steps:.3g} steps, SQNR {d.sqnr_db:.1f} dB")
+    cascade = None
+    if violations:
+        inputs = onnx_model.graph.input
+        cascade = _first_divergence(onnx_model, pairs, values, {i.name: v for i, v in zip(inputs, feeds_values)})
+        if cascade is None or not cascade.explained:
+            why = ("no point's rounding flipped on the way: a float op of the file differs from torch"
+                   if cascade is None else f"{cascade}: more than float rounding, so the float ops before it "
+                   "differ from torch")
+            raise AssertionError(f"check_onnx: {violations[0]}; {why}")
     tolerance = max((s if s is not None else _float_tolerance(e) for s, e in zip(steps, expected)), default=0.0)
-    return OnnxCheck(points, max((d.max_abs_diff for d in diffs[False]), default=0.0),
+    return OnnxCheck(len(pairs), max((d.max_abs_diff for d in diffs[False]), default=0.0),
                      max((d.max_abs_diff for d in diffs[True]), default=0.0), float(tolerance),
-                     tuple(diffs[False]), tuple(diffs[True]))
+                     tuple(diffs[False]), tuple(diffs[True]), cascade)
