@@ -136,7 +136,6 @@ def to_onnx(
         opset_version=opset,
         custom_translation_table=translation_table(program_constants(ep), points),
         verbose=False,
-        optimize=os.environ.get("PT2E_FQ_ONNX_OPT", "1") == "1",
     )
     # Where each point's Q/DQ subgraph starts and ends, for check_onnx (and
     # anyone reading the file): the names the values have in the file.
