@@ -19,7 +19,8 @@ Every table holds each op's in-place twin too (`out += identity` is
 aten.add_, `ReLU(inplace=True)` aten.relu_, `Hardswish(inplace=True)`
 aten.hardswish_): a model's choice of in-place or out-of-place code does not
 change how it is quantized. A cast to the dtype the tensor already has
-(HF RMSNorm's `.to(input_dtype)` in a float32 model) is a pass-through too.
+(HF RMSNorm's `.to(input_dtype)` in a float32 model) and a dropout of an
+eval-mode export (train=False: the identity) are pass-throughs too.
 """
 
 from __future__ import annotations
@@ -101,6 +102,9 @@ PASS_THROUGH = _VIEWS | {
 }
 # Casts: a pass-through when the dtype does not change (is_no_op_cast).
 _CASTS = {aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.type_as.default, aten._to_copy.default}
+# Dropouts (input, p, train): the identity, so a pass-through, where train is False (an eval-mode export).
+DROPOUTS = set(_with_inplace((aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default,
+                              aten.feature_alpha_dropout.default)))
 AVERAGING_POOLS = {
     aten.avg_pool1d.default, aten.avg_pool2d.default, aten.avg_pool3d.default,
     aten.adaptive_avg_pool1d.default, aten.adaptive_avg_pool2d.default, aten.adaptive_avg_pool3d.default,
@@ -152,8 +156,9 @@ def is_no_op_cast(node: Node) -> bool:
 
 def passes_grid(node: Node) -> bool:
     """The node's output holds its first argument's values, moved or
-    selected (PASS_THROUGH or a no-op cast)."""
-    return node.op == "call_function" and (node.target in PASS_THROUGH or is_no_op_cast(node))
+    selected (PASS_THROUGH, a no-op cast, an eval-mode dropout)."""
+    return node.op == "call_function" and (node.target in PASS_THROUGH or is_no_op_cast(node)
+                                           or (node.target in DROPOUTS and node.args[2] is False))
 
 
 def _is_inplace(node: Node) -> bool:

@@ -162,3 +162,26 @@ def test_an_in_place_add_whose_input_is_read_later_stays_in_float():
     with torch.no_grad():
         expected, got = model(x), converted(x)
     assert sqnr_db(expected, got) > 30  # fc2's weight and input are quantized, the sum is not lost
+
+
+class DropoutMLP(nn.Module):
+    """linear -> relu -> dropout -> linear (BERT's dense -> dropout shape);
+    the twin has no dropout."""
+
+    def __init__(self, with_dropout: bool):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.drop = nn.Dropout(0.1) if with_dropout else nn.Identity()
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+
+def test_an_eval_mode_dropout_is_a_pass_through():
+    batches = _batches(4, 8)
+    (prepared, converted), (twin_prepared, twin_converted) = _twins(DropoutMLP, batches)
+    assert aten.dropout.default in _targets(prepared)  # eval-mode export keeps it, with train=False
+    # x, fc1 weight, the relu's output, fc2 weight, fc2's output: fc2 reads the relu's point through the dropout.
+    assert len(fake_quant_modules(prepared)) == len(fake_quant_modules(twin_prepared)) == 5
+    x = _batches(4, 8, n=1)[0]
+    torch.testing.assert_close(converted(x), twin_converted(x), rtol=0, atol=0)

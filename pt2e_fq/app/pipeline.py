@@ -40,6 +40,7 @@ from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e, 
 from tqdm import tqdm
 
 from quantizers import FakeQuantQuantizer, QuantizerConfig, presets
+from quantizers.patterns import DROPOUTS
 
 from ..inputs import as_args
 from ..fake_quantize import FakeQuantize
@@ -257,10 +258,6 @@ def _check_finite(model: torch.nn.Module, desc: str, losses: list[float]) -> Non
             raise TrainingDiverged(f"{desc}: parameter {name} became NaN or infinite at step {len(losses)}")
 
 
-# Dropouts (input, p, train) and their in-place twins: the identity in eval mode.
-_DROPOUTS = {aten.dropout.default, aten.dropout_.default, aten.feature_dropout.default,
-             aten.feature_dropout_.default, aten.alpha_dropout.default, aten.alpha_dropout_.default,
-             aten.feature_alpha_dropout.default, aten.feature_alpha_dropout_.default}
 _SDPA = aten.scaled_dot_product_attention.default
 _SDPA_DROPOUT_P = 4  # its argument index
 
@@ -314,7 +311,7 @@ def move_to_eval(prepared: torch.fx.GraphModule) -> torch.fx.GraphModule:
     for n in list(graph.nodes):
         if n.target is _BATCH_NORM and n.args[5] and isinstance(n.args[3], torch.fx.Node):
             n.args = (*n.args[:5], False, *n.args[6:])  # training=False; momentum and eps as they were
-        elif n.target in _DROPOUTS:
+        elif n.target in DROPOUTS:  # (input, p, train), in place or not: the identity in eval mode
             n.replace_all_uses_with(n.args[0])
             graph.erase_node(n)
         elif n.target is _SDPA and _sdpa_dropout_p(n) != 0:
