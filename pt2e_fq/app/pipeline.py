@@ -305,8 +305,8 @@ def move_to_eval(prepared: torch.fx.GraphModule) -> torch.fx.GraphModule:
       whether the model means it in eval mode.
 
     One way: dropouts and masks are removed, not switched off, so the model
-    does not go back to training. torchao's own eval and train switches see
-    the model as in eval mode already and leave it alone."""
+    does not go back to training. torchao's eval switch sees the model as in
+    eval mode already and leaves it alone."""
     graph = prepared.graph
     for n in list(graph.nodes):
         if n.target is _BATCH_NORM and n.args[5] and isinstance(n.args[3], torch.fx.Node):
