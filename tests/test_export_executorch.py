@@ -95,3 +95,63 @@ def test_without_executorch_the_error_names_the_extra(monkeypatch, tmp_path):
         to_executorch(ptq(ACT, WEIGHTS["per_channel"]), batch(9), tmp_path / "m.pte")
     with pytest.raises(ImportError, match=r"pip install 'pt2e_fq\[executorch\]'"):
         check_lowered(tmp_path / "m.pte", ptq(ACT, WEIGHTS["per_channel"]), batch(9))
+
+
+class ConvPoolConv(torch.nn.Module):
+    """conv -> relu -> max pool -> conv -> flatten -> linear: our quantizer
+    gives the pool's output its input's qparams (no point of its own)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = torch.nn.Conv2d(1, 8, 3, padding=1), torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = torch.nn.Linear(8 * 4 * 4, 4)
+
+    def forward(self, x):
+        y = torch.nn.functional.max_pool2d(torch.relu(self.conv1(x)), 2)
+        return self.fc(torch.relu(self.conv2(y)).flatten(1))
+
+
+def _conv_pool_conv():
+    from pt2e_fq.app import pipeline
+
+    torch.manual_seed(0)
+    batches = [(torch.randn(4, 1, 8, 8),) for _ in range(3)]
+    return pipeline.quantize(ConvPoolConv().eval(), batches[0], "w8a8", calibration=batches, progress=False)
+
+
+@needs_executorch
+def test_a_max_pool_between_a_dequantize_and_a_conv_is_passed_through(tmp_path):
+    model, x = _conv_pool_conv(), batch(2, (4, 1, 8, 8))
+    result = to_executorch(model, x, tmp_path / "pool.pte")
+    assert result.delegated_subgraphs == 1 and not result.outside, str(result)
+    (out,) = run_pte(tmp_path / "pool.pte", x)
+    _assert_within_one_step(out, model, x)
+
+
+@needs_executorch
+def test_a_dequantize_xnnpack_leaves_outside_is_an_error_before_writing(tmp_path, monkeypatch):
+    # Without the max pool pass-through, the second conv reads pool(dq(...)),
+    # which XNNPACK does not quantize: its weight dequantize stays outside.
+    from pt2e_fq.export import qdq
+
+    monkeypatch.setattr(qdq, "_PASS_THROUGH", qdq._PASS_THROUGH - {torch.ops.aten.max_pool2d.default})
+    with pytest.raises(UnsupportedPointError, match=r"XNNPACK did not take 1 quantize/dequantize node.*read by"):
+        to_executorch(_conv_pool_conv(), batch(2, (4, 1, 8, 8)), tmp_path / "pool.pte")
+    assert not (tmp_path / "pool.pte").exists()
+
+
+@needs_executorch
+def test_a_transformer_block_runs_with_the_linear_before_gelu_in_float(tmp_path):
+    from test_export_qdq import _encoder_w8a8
+
+    model, x = _encoder_w8a8(), batch(6, (2, 6, 32))
+    result = to_executorch(model, x, tmp_path / "block.pte")
+    # mlp.0's output feeds GELU unquantized (the point is after GELU): XNNPACK
+    # has no int8 linear with a float output, so that weight goes as its fake-quantized floats.
+    assert [(p.module, p.role) for p in result.qdq.in_float] == [("mlp.0", "weight of linear_4")], str(result)
+    assert not any("quantize" in op for op in result.outside), str(result)
+    check = check_lowered(tmp_path / "block.pte", model, x)
+    # Softmax, layer norm and GELU run in XNNPACK's / ExecuTorch's float kernels: a last-bit
+    # difference that moves a value across a rounding boundary cascades, up to 2 steps here
+    # (docs/export.md, "Where the runtimes differ").
+    assert check.outputs[0].max_steps <= 2 + 1e-3, str(check)

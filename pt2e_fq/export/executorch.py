@@ -19,7 +19,7 @@ import torch
 
 from ..files import check_writable, write_bytes
 from ..inputs import as_args
-from .qdq import QdqSummary, to_qdq
+from .qdq import QdqSummary, UnsupportedPointError, to_qdq
 
 
 def require_executorch() -> None:
@@ -81,6 +81,18 @@ def to_executorch(
     info = get_delegation_info(edge.exported_program().graph_module)
     outside = {op: b.non_delegated for op, b in info.delegation_by_operator.items()
                if b.non_delegated and op != "getitem"}
+    left = [n for n in edge.exported_program().graph.nodes
+            if n.op == "call_function" and "quantize" in str(n.target)]
+    if left:
+        # ExecuTorch's Python runtime links no kernel for a quantize / dequantize
+        # outside the delegate (to_executorch fails on "Missing out variants").
+        node = left[0]
+        users = ", ".join(u.name for u in node.users)
+        raise UnsupportedPointError(
+            f"to_executorch: XNNPACK did not take {len(left)} quantize/dequantize node(s) (first: {node.name}, "
+            f"read by {users}) and ExecuTorch's runtime has no kernel for them outside the delegate; XNNPACK "
+            "quantizes an op only when a dequantize feeds each of its inputs directly"
+        )
     write_bytes(path, edge.to_executorch().buffer)
     return PteExport(os.fspath(path), summary, info.num_delegated_subgraphs, info.num_delegated_nodes, outside)
 

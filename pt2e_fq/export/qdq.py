@@ -20,7 +20,10 @@ What each target takes:
   and per-block weights (blocks that divide the weight), any integer range.
 - xnnpack: int8 per-tensor activations; int8 (int4 as int8 codes in -8..7)
   symmetric per-tensor or per-channel weights (a conv's int4 codes are
-  declared int8: XNNPACK's 4-bit weights are for linear only).
+  declared int8: XNNPACK's 4-bit weights are for linear only). XNNPACK
+  quantizes a linear or conv only when its output is quantized too (a
+  linear before a GELU whose output is the point is not): such an op's
+  weight is stored as its fake-quantized floats, and listed.
 - x86_inductor: per-tensor activations as uint8 (an int8 point's codes and
   zero point shifted by 128, which is exact); int8 symmetric per-channel
   weights (a per-tensor weight becomes per-channel with its scale repeated).
@@ -28,7 +31,7 @@ What each target takes:
 
 For both runtimes each quantized op needs a dequantize directly in front of
 it, so an activation's pair is repeated after pass-through ops (view,
-flatten, permute, ...), which is exact: a per-tensor quantize of values
+flatten, permute, max pooling, ...), which is exact: a per-tensor quantize of values
 already on the grid returns their codes; and each user of a dequantize gets
 its own copy (as torchao's DuplicateDQPass gives the stock flow).
 
@@ -44,6 +47,7 @@ the list.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import warnings
 from dataclasses import dataclass
@@ -66,6 +70,9 @@ qd = torch.ops.quantized_decomposed
 # Ops that move or select elements without changing them: a per-tensor
 # quantize commutes with them exactly, so XNNPACK's pairs are repeated after them.
 _PASS_THROUGH = {
+    # max pooling too: a dequantize is increasing, so the max of dequantized
+    # codes is the dequantized max code.
+    torch.ops.aten.max_pool2d.default,
     torch.ops.aten.view.default,
     torch.ops.aten.reshape.default,
     torch.ops.aten.flatten.using_ints,
@@ -342,6 +349,21 @@ def _one_dequantize_per_user(gm: torch.fx.GraphModule) -> None:
             user.replace_input_with(dq, copy)
 
 
+# Activations XNNPACK fuses into a quantized conv / linear before the output's quantize.
+_FUSED_ACTIVATIONS = {torch.ops.aten.relu.default, torch.ops.aten.relu_.default, torch.ops.aten.hardtanh.default}
+
+
+def _quantized(node: torch.fx.Node) -> bool:
+    """Whether node's output is quantized, directly or after a fused activation."""
+    return any(u.target == qd.quantize_per_tensor.default or (u.target in _FUSED_ACTIVATIONS and _quantized(u))
+               for u in node.users)
+
+
+def _output_quantized(weight: torch.fx.Node) -> bool:
+    """Whether every op reading this weight has its output quantized."""
+    return all(_quantized(op) for op in weight.users)
+
+
 def _delete_unused_attributes(gm: torch.fx.GraphModule) -> None:
     """Drops the float weights (and qparams) no node reads any more, so the
     lowered program does not carry them."""
@@ -372,7 +394,7 @@ def lower_points(gm: torch.fx.GraphModule, target: str, unsupported: str) -> Qdq
     program module: ExportedProgram.module()) into q/dq for `target`;
     returns what became of each point."""
     em = _Emitter(gm)
-    points = []
+    points, weights = [], []  # weights: (dequantize node, index in points, fake-quantized weight)
     for node in list(gm.graph.nodes):
         if not is_fake_quant_node(node):
             continue
@@ -413,6 +435,21 @@ def lower_points(gm: torch.fx.GraphModule, target: str, unsupported: str) -> Qdq
         new.meta.update({k: v for k, v in value.meta.items() if k in ("nn_module_stack", "stack_trace")})
         value.replace_all_uses_with(new)
         points.append(Point(name, module, role, lowered_as))
+        if w is not None:
+            weights.append((new, len(points) - 1, y))
+    if target == "xnnpack":
+        for dq, i, y in weights:
+            if _output_quantized(dq):
+                continue
+            # XNNPACK quantizes a linear or conv only with its output quantized
+            # too; otherwise the weight's dequantize stays outside the delegate,
+            # where ExecuTorch has no kernel for it. The fake-quantized weight
+            # in float is the same values, run by an fp32 XNNPACK op.
+            with gm.graph.inserting_before(dq):
+                dq.replace_all_uses_with(em.constant(y, "fake_quantized_weight"))
+            points[i] = dataclasses.replace(
+                points[i], lowered_as="float weight (fake-quantized)",
+                reason="XNNPACK quantizes a linear or conv only when its output is quantized; this one's is float")
     if target != "generic":
         _repeat_through_views(gm)
         _one_dequantize_per_user(gm)
