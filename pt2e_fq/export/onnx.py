@@ -101,6 +101,41 @@ def _input_name(x, consumers) -> Optional[str]:
     return None
 
 
+def _optimize(model) -> None:
+    """The exporter's own optimisation (onnxscript's optimize_ir) without its
+    pattern rewriter and operator fusions: constant folding, dead code,
+    constants lifted to initializers and deduplicated, common subexpressions
+    merged. The rewriter's matching took most of an export's time (24 of 46 s
+    on a tiny Llama under fp8, every rule tried at each of the many small
+    nodes of the Q/DQ subgraphs), and its fusions (RMSNorm, GELU) would
+    replace the float ops that check_onnx compares with torch's; ONNX
+    Runtime applies its own graph optimisations when it loads the file."""
+    import onnx_ir as ir
+    import onnx_ir.passes.common as common_passes
+    from onnxscript.optimizer import _constant_folding
+
+    ir.passes.Sequential(
+        common_passes.InlinePass(),
+        ir.passes.PassManager(
+            [_constant_folding.FoldConstantsPass(
+                shape_inference=True,
+                input_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT,
+                output_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT,
+                should_fold=lambda node: None,
+            ), common_passes.RemoveUnusedNodesPass()],
+            steps=2, early_stop=True,
+        ),
+        common_passes.RemoveUnusedFunctionsPass(),
+        common_passes.RemoveUnusedOpsetsPass(),
+        common_passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
+        common_passes.LiftSubgraphInitializersToMainGraphPass(),
+        common_passes.DeduplicateInitializersPass(),
+        common_passes.CommonSubexpressionEliminationPass(),
+        common_passes.OutputFixPass(),
+        common_passes.NameFixPass(),
+    )(model)
+
+
 def to_onnx(
     model,
     example_inputs,
@@ -136,7 +171,9 @@ def to_onnx(
         opset_version=opset,
         custom_translation_table=translation_table(program_constants(ep), points),
         verbose=False,
+        optimize=False,
     )
+    _optimize(program.model)
     # Where each point's Q/DQ subgraph starts and ends, for check_onnx (and
     # anyone reading the file): the names the values have in the file.
     program.model.metadata_props[POINTS_METADATA] = json.dumps(

@@ -202,7 +202,7 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
-def _check_points(model, ep, values) -> list:
+def _check_points(model, ep, values, graph_feeds: dict) -> list:
     """Runs each point's Q/DQ subgraph of `model` (located by the file's
     POINTS_METADATA) on the torch point's input and compares bit for bit;
     returns the (program node, file entry) of every point, in graph order.
@@ -242,8 +242,12 @@ def _check_points(model, ep, values) -> list:
         if y_name not in file_values:
             merged.append((node, expected))
             continue
-        point = extractor.extract_model([x_name] if x_name else [], [y_name])
-        feeds = {x_name: _numpy(values[node.args[0].name])} if x_name else {}
+        # The graph's inputs come along: a point of a dynamic batch reads its
+        # size from them (Shape of the model's input) for its qparams' layout.
+        feeds = {**graph_feeds, **({x_name: _numpy(values[node.args[0].name])} if x_name else {})}
+        point = extractor.extract_model(list(feeds), [y_name])
+        needed = {i.name for i in point.graph.input}
+        feeds = {k: v for k, v in feeds.items() if k in needed}
         (got,) = ort_session(point, optimized=False).run(None, feeds)
         if not _same_bits(got, expected):
             if x_name:  # an input of the run (a weight point reads a constant of the file)
@@ -352,12 +356,13 @@ def check_onnx(path: Union[str, os.PathLike], model, inputs, *, atol: Optional[f
     ep = exported_program(model, args)
     values = _node_values(ep, args)
     onnx_model = onnx.shape_inference.infer_shapes(onnx.load(os.fspath(path)))
-    pairs = _check_points(onnx_model, ep, values)
+    feeds_values = [_numpy(a) for a in tree_leaves(args)]
+    graph_feeds = {i.name: v for i, v in zip(onnx_model.graph.input, feeds_values)}
+    pairs = _check_points(onnx_model, ep, values, graph_feeds)
 
     output_node = next(n for n in ep.graph.nodes if n.op == "output")
     expected = [_numpy(values[n.name]) for n in tree_leaves(output_node.args[0])]
     steps = _output_steps(onnx_model)
-    feeds_values = [_numpy(a) for a in tree_leaves(args)]
     diffs, violations = {}, []
     for optimized in (False, True):
         sess = ort_session(path, optimized)
@@ -386,8 +391,7 @@ def check_onnx(path: Union[str, os.PathLike], model, inputs, *, atol: Optional[f
                     f"{d.max_steps:.3g} steps, SQNR {d.sqnr_db:.1f} dB")
     cascade = None
     if violations:
-        inputs = onnx_model.graph.input
-        cascade = _first_divergence(onnx_model, pairs, values, {i.name: v for i, v in zip(inputs, feeds_values)})
+        cascade = _first_divergence(onnx_model, pairs, values, graph_feeds)
         if cascade is None or not cascade.explained:
             why = ("no point's rounding flipped on the way: a float op of the file differs from torch"
                    if cascade is None else f"{cascade}: more than float rounding, so the float ops before it "
