@@ -112,15 +112,15 @@ def _optimize(model) -> None:
     Runtime applies its own graph optimisations when it loads the file."""
     import onnx_ir as ir
     import onnx_ir.passes.common as common_passes
-    from onnxscript.optimizer import _constant_folding
+    from onnxscript.optimizer import constant_folding
 
     ir.passes.Sequential(
         common_passes.InlinePass(),
         ir.passes.PassManager(
-            [_constant_folding.FoldConstantsPass(
+            [constant_folding.FoldConstantsPass(
                 shape_inference=True,
-                input_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT,
-                output_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT,
+                input_size_limit=constant_folding.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT,
+                output_size_limit=constant_folding.DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT,
                 should_fold=lambda node: None,
             ), common_passes.RemoveUnusedNodesPass()],
             steps=2, early_stop=True,
