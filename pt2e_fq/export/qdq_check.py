@@ -14,7 +14,6 @@ from __future__ import annotations
 import operator
 import os
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from tabulate import tabulate
@@ -23,6 +22,7 @@ from torch.utils._pytree import tree_leaves
 from ..blocks import expand_blocks
 from ..inputs import as_args
 from ..op_call import decode_node, is_fake_quant_node, program_constants
+from .output_diff import HEADERS, output_diff
 from .program import exported_program
 
 # One quantization step, plus the fp32 rounding of the two dequantized values.
@@ -30,20 +30,11 @@ _STEP_SLACK = 1 + 1e-3
 
 
 @dataclass(frozen=True)
-class OutputCheck:
-    """One output: its elements, how many differ from ours, the largest
-    |difference|, and that difference in quantization steps of the point
-    producing the output (None for an output no point produces)."""
-
-    index: int
-    numel: int
-    differing: int
-    max_abs_diff: float
-    max_steps: Optional[float]
-
-
-@dataclass(frozen=True)
 class LoweredCheck:
+    """outputs: an output_diff.OutputDiff per output (elements that differ,
+    largest and RMS difference in quantization steps of the point producing
+    the output, SQNR); str() is their table."""
+
     outputs: list
 
     @property
@@ -52,12 +43,7 @@ class LoweredCheck:
         return all(o.max_steps is None or o.max_steps <= _STEP_SLACK for o in self.outputs)
 
     def __str__(self) -> str:
-        rows = [
-            (o.index, o.numel, o.differing, f"{o.max_abs_diff:.3g}",
-             "n/a (float output)" if o.max_steps is None else f"{o.max_steps:.3g}")
-            for o in self.outputs
-        ]
-        return tabulate(rows, headers=("output", "elements", "differ", "max |diff|", "max diff (steps)"))
+        return tabulate([o.row() for o in self.outputs], headers=HEADERS)
 
 
 def _output_steps(ep: torch.export.ExportedProgram, outputs: list) -> list:
@@ -112,8 +98,5 @@ def check_lowered(lowered, model, inputs) -> LoweredCheck:
     for i, (a, b, step) in enumerate(zip(ours, theirs, _output_steps(ep, ours))):
         if a.shape != b.shape:
             raise ValueError(f"check_lowered: output {i} has shape {tuple(b.shape)}, ours {tuple(a.shape)}")
-        diff = (a.float() - b.float()).abs()
-        steps = None if step is None else (diff / step).max().item() if diff.numel() else 0.0
-        checks.append(OutputCheck(i, a.numel(), int((diff != 0).sum()),
-                                  diff.max().item() if diff.numel() else 0.0, steps))
+        checks.append(output_diff(i, a, b, step))
     return LoweredCheck(checks)
