@@ -96,6 +96,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="epochs of QAT (default 3)")
     demo.add_argument("--threads", type=_int_at_least(1), default=1, metavar="N",
                       help="torch threads (default 1: the CNN is tiny, more threads mostly wait for each other)")
+    demo.add_argument("--no-deploy", action="store_true",
+                      help="leave out the Inductor and ExecuTorch rows (their compilation takes most of a minute)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bars")
 
     quantize = commands.add_parser("quantize", parents=[common], help="quantize a model of yours and print the per-layer report")
@@ -376,7 +378,7 @@ def cmd_demo(args) -> int:
     from . import demo
 
     demo.run(args.out, float_epochs=args.float_epochs, qat_epochs=args.qat_epochs, threads=args.threads,
-             progress=not args.no_progress)
+             progress=not args.no_progress, deploy=not args.no_deploy)
     return 0
 
 

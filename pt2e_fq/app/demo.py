@@ -5,7 +5,14 @@ scikit-learn's 8x8 digits (shipped inside the package, no download) train a
 small CNN in float; PTQ with the w8a8 preset; QAT with w4a8 from the float
 weights, a few epochs with a progress bar; convert; .pt2 and ONNX files of
 each model; the quantized ONNX files run in ONNX Runtime on the test split.
-It ends with a table: accuracy, file bytes and training step time.
+Then (`deploy`, the default) the PT2E runtimes: the float model, PTQ w8a8 and
+QAT w4a8 under Inductor (int8: to_qdq + compile_x86) and as ExecuTorch XNNPACK
+`.pte` files (when the executorch extra is installed), with their latency per
+batch against the float model run the same way. QAT w4a8's int4 group weights
+are stored as their fake-quantized floats there (unsupported="float"): the
+runtimes take per-channel weights with int8 activations.
+It ends with a table: accuracy, file bytes, training step time and inference
+latency.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import copy
 import io
 import json
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -23,8 +31,9 @@ import torch.nn.functional as F
 from tabulate import tabulate
 
 from . import digits, pipeline
-from ..export import check_onnx, ort_session, save, to_onnx
-from ..files import write_text
+from ..export import check_onnx, compile_x86, ort_session, run_pte, save, to_executorch, to_onnx, to_qdq
+from ..export.executorch import require_executorch
+from ..files import write_bytes, write_text
 from ..report import report
 from .step_time import step_times
 
@@ -42,6 +51,8 @@ class Row:
     pt2_bytes: Optional[int] = None
     onnx_bytes: Optional[int] = None
     step_ms: Optional[float] = None
+    batch_ms: Optional[float] = None  # inference latency of one batch of BATCH images
+    float_batch_ms: Optional[float] = None  # the float model's, run the same way
 
 
 @dataclass
@@ -56,11 +67,14 @@ class DemoResult:
             step = "" if r.step_ms is None else f"{r.step_ms:.1f}"
             if r.step_ms is not None and r is not self.rows[0] and float_ms:
                 step += f" ({r.step_ms / float_ms:.1f}x float)"
+            latency = "" if r.batch_ms is None else f"{r.batch_ms:.2f}"
+            if r.batch_ms is not None and r.float_batch_ms:
+                latency += f" ({r.float_batch_ms / r.batch_ms:.1f}x float's speed)"
             body.append([r.model, r.runs_in, f"{100 * r.accuracy:.1f}%",
                          "" if r.pt2_bytes is None else f"{r.pt2_bytes:,}",
-                         "" if r.onnx_bytes is None else f"{r.onnx_bytes:,}", step])
+                         "" if r.onnx_bytes is None else f"{r.onnx_bytes:,}", step, latency])
         return tabulate(body, headers=["model", "runs in", "test accuracy", ".pt2 bytes", "ONNX bytes",
-                                       "train step ms"])
+                                       "train step ms", f"batch of {BATCH} ms"])
 
 
 def _epoch_batches(data: digits.Digits, seed: int):
@@ -82,6 +96,97 @@ def _files(out: Path, name: str, model, example: tuple, batch) -> tuple[Path, Pa
     return pt2, onnx_path
 
 
+def _fixed_batch(fn):
+    """fn, which takes batches of exactly BATCH images (a .pte, a model
+    compiled for that shape), as a function of any batch: the last, short
+    batch is padded with zeros and its outputs cut."""
+
+    def run(images):
+        n = len(images)
+        if n == BATCH:
+            return fn(images)
+        padded = torch.cat([images, images.new_zeros((BATCH - n, *images.shape[1:]))])
+        return fn(padded)[:n]
+
+    return run
+
+
+def _latency_ms(fn, images, repeats: int = 20) -> float:
+    """Median milliseconds of fn(images), after a warm-up call."""
+    fn(images)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(images)
+        times.append(time.perf_counter() - start)
+    return 1000 * sorted(times)[len(times) // 2]
+
+
+def _deploy_rows(out: Path, models: dict, data: digits.Digits, example: tuple, log) -> list[Row]:
+    """The float model and each converted model under Inductor and in
+    ExecuTorch (XNNPACK), with accuracy and latency against the float model
+    run the same way."""
+    x_test, y_test = data.x_test, data.y_test
+    images = x_test[:BATCH]
+    model = models.pop("float")
+    runtimes = {"Inductor": lambda m: _inductor(m, example)}
+    try:
+        require_executorch()
+        runtimes["ExecuTorch XNNPACK"] = lambda m: _executorch(out, m, example)
+    except ImportError as e:
+        log(f"ExecuTorch rows left out: {e}")
+    rows = []
+    for runtime, lower in runtimes.items():
+        float_fn, _ = lower(("float", model))
+        float_ms = _latency_ms(float_fn, images)
+        rows.append(Row("float", runtime, digits.accuracy(float_fn, x_test, y_test, BATCH), batch_ms=float_ms))
+        for name, converted in models.items():
+            fn, runs_in = lower((name, converted))
+            rows.append(Row(name, f"{runtime} {runs_in}", digits.accuracy(fn, x_test, y_test, BATCH),
+                            batch_ms=_latency_ms(fn, images), float_batch_ms=float_ms))
+    return rows
+
+
+def _lowering(name: str) -> str:
+    # w4a8's int4 group weights: the runtimes take per-channel weights, so they stay fake-quantized floats.
+    return "float" if "w4a8" in name else "error"
+
+
+def _inductor(named, example):
+    name, model = named
+    if name == "float":
+        with torch._inductor.config.patch(freezing=True):
+            compiled = torch.compile(model)
+
+        def run(images):
+            with torch._inductor.config.patch(freezing=True), torch.no_grad():
+                return compiled(images)
+
+        return _fixed_batch(run), ""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the warning lists the float weights, which the row names
+        program = to_qdq(model, example, target="x86_inductor", unsupported=_lowering(name))
+    return _fixed_batch(compile_x86(program)), "int8" if _lowering(name) == "error" else "int8 act, float w"
+
+
+def _executorch(out: Path, named, example):
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    name, model = named
+    path = out / f"{name.lower().replace(' ', '_')}.pte"
+    if name == "float":
+        edge = to_edge_transform_and_lower(torch.export.export(model, example), partitioner=[XnnpackPartitioner()])
+        write_bytes(path, edge.to_executorch().buffer)
+        runs_in = ""
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            to_executorch(model, example, path, unsupported=_lowering(name))
+        runs_in = "int8" if _lowering(name) == "error" else "int8 act, float w"
+    return _fixed_batch(lambda images: run_pte(path, (images,))[0]), runs_in
+
+
 def run(
     out: Path | str = "demo-out",
     *,
@@ -91,6 +196,7 @@ def run(
     seed: int = 0,
     threads: int = 1,
     progress: bool = True,
+    deploy: bool = True,
     log=print,
 ) -> DemoResult:
     """Runs the demo with `threads` torch threads (the CNN is tiny: one
@@ -100,12 +206,12 @@ def run(
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _run(Path(out), float_epochs, qat_epochs, calibration_batches, seed, progress, log)
+        return _run(Path(out), float_epochs, qat_epochs, calibration_batches, seed, progress, deploy, log)
     finally:
         torch.set_num_threads(previous_threads)
 
 
-def _run(out: Path, float_epochs, qat_epochs, calibration_batches, seed, progress, log) -> DemoResult:
+def _run(out: Path, float_epochs, qat_epochs, calibration_batches, seed, progress, deploy, log) -> DemoResult:
     start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     result = DemoResult()
@@ -160,6 +266,12 @@ def _run(out: Path, float_epochs, qat_epochs, calibration_batches, seed, progres
     text = io.StringIO()
     report(qat, example, file=text)
     write_text(out / "qat_w4a8_report.txt", text.getvalue())
+    if deploy:
+        # A fresh float model: `model`'s parameters are the QAT graph's (export shares them).
+        float_model = digits.DigitsCNN()
+        float_model.load_state_dict(float_state)
+        result.rows += _deploy_rows(out, {"float": float_model.eval(), "PTQ w8a8": ptq, "QAT w4a8": qat}, data,
+                                    example, log)
 
     result.seconds = time.perf_counter() - start
     write_text(out / "results.json", json.dumps(
@@ -167,5 +279,5 @@ def _run(out: Path, float_epochs, qat_epochs, calibration_batches, seed, progres
     table = result.table()
     write_text(out / "results.md", table + "\n")
     log(table)
-    log(f"files in {out}/ (.pt2, .onnx, qat_w4a8_report.txt, results.md, results.json); {result.seconds:.0f} s")
+    log(f"files in {out}/ (.pt2, .onnx, .pte, qat_w4a8_report.txt, results.md, results.json); {result.seconds:.0f} s")
     return result
