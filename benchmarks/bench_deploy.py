@@ -1,0 +1,233 @@
+"""Inference latency on the PT2E runtimes: our lowered int8 models against
+float, and against torchao's stock quantizer flow, all in one run.
+
+For a ResNet-style conv net and a transformer encoder block, at batch 1 and
+32 (CPU, float32 inputs):
+
+- float eager; float under Inductor (torch.compile with freezing);
+- ours under Inductor int8: PTQ w8a8 with our quantizer, to_qdq(target=
+  "x86_inductor"), compile_x86 (oneDNN qconv / qlinear);
+- stock x86: torchao's X86InductorQuantizer (its default config), the same
+  calibration, compiled the same way;
+- float .pte (ExecuTorch, XNNPACK fp32); ours .pte (to_executorch, XNNPACK
+  int8); stock .pte: ExecuTorch's XNNPACKQuantizer (symmetric per-channel),
+  the same calibration.
+
+Printed per model and batch: the median latency of one forward, its
+speed-up over the float model of the same runtime (Inductor int8 against
+float Inductor, .pte int8 against float .pte), and the SQNR of the outputs
+against float eager (no labels: random inputs; the accuracy side of the
+comparison). The variants of one runtime run in turn within each repeat,
+so load from other processes hits them alike; the runtimes are timed one
+after the other.
+
+    python benchmarks/bench_deploy.py [--models conv block] [--batches 1 32] [--repeats N] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import warnings
+
+import torch
+import torch.nn as nn
+from bench_ops import median_ms
+from tabulate import tabulate
+from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+from pt2e_fq.app import pipeline
+from pt2e_fq.app.models import EncoderBlock
+from pt2e_fq.export import compile_x86, run_pte, to_executorch, to_qdq
+
+CALIBRATION_BATCHES = 4
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, c_in, c_out, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.down = None
+        if stride != 1 or c_in != c_out:
+            self.down = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+
+    def forward(self, x):
+        y = torch.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        return torch.relu(y + (x if self.down is None else self.down(x)))
+
+
+class ResNetish(nn.Module):
+    """A ResNet-18-style net for 3x32x32 images: a stem, three stages of two
+    basic blocks (32, 64, 128 channels), global pooling, a classifier."""
+
+    def __init__(self, classes=10):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU())
+        blocks, c = [], 32
+        for c_out, stride in ((32, 1), (64, 2), (128, 2)):
+            blocks += [BasicBlock(c, c_out, stride), BasicBlock(c_out, c_out, 1)]
+            c = c_out
+        self.blocks = nn.Sequential(*blocks)
+        self.fc = nn.Linear(128, classes)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(self.blocks(self.stem(x)), 1), 1))
+
+
+def _randomize_bn(model):
+    """Batch norms with non-trivial statistics, as a trained model has."""
+    g = torch.Generator().manual_seed(1)
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.copy_(torch.randn(m.num_features, generator=g) * 0.1)
+            m.running_var.copy_(torch.rand(m.num_features, generator=g) + 0.5)
+    return model
+
+
+MODELS = {
+    "conv": (lambda: _randomize_bn(ResNetish()), lambda b: (b, 3, 32, 32)),
+    "block": (lambda: EncoderBlock(d=128, heads=4, hidden=512), lambda b: (b, 32, 128)),
+}
+
+
+def _sqnr_db(ref: torch.Tensor, y: torch.Tensor) -> float:
+    noise = (ref - y).float().pow(2).mean()
+    return float(10 * torch.log10(ref.float().pow(2).mean() / noise)) if noise > 0 else float("inf")
+
+
+def _stock_x86(model, example, calibration):
+    from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
+        X86InductorQuantizer,
+        get_default_x86_inductor_quantization_config,
+    )
+
+    quantizer = X86InductorQuantizer().set_global(get_default_x86_inductor_quantization_config())
+    prepared = prepare_pt2e(torch.export.export(model, example).module(), quantizer)
+    for batch in calibration:
+        prepared(*batch)
+    return convert_pt2e(prepared)
+
+
+def _stock_xnnpack(model, example, calibration):
+    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
+        XNNPACKQuantizer,
+        get_symmetric_quantization_config,
+    )
+
+    quantizer = XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_per_channel=True))
+    prepared = prepare_pt2e(torch.export.export(model, example).module(), quantizer)
+    for batch in calibration:
+        prepared(*batch)
+    return convert_pt2e(prepared)
+
+
+def _pte(program: torch.export.ExportedProgram, path: str) -> str:
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    with open(path, "wb") as f:
+        f.write(to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()]).to_executorch().buffer)
+    return path
+
+
+def _pte_runner(path: str, example: tuple):
+    from executorch.runtime import Runtime
+
+    method = Runtime.get().load_program(path).load_method("forward")
+    inputs = list(example)
+    return lambda: method.execute(inputs)[0]
+
+
+def _compiled(module, example):
+    with torch._inductor.config.patch(freezing=True), torch.no_grad():
+        compiled = torch.compile(module)
+
+    def run():
+        with torch._inductor.config.patch(freezing=True), torch.no_grad():
+            return compiled(*example)
+
+    return run
+
+
+def bench(name: str, batch: int, repeats: int, folder: str) -> list:
+    build, shape = MODELS[name]
+    torch.manual_seed(0)
+    model = build().eval()
+    example = (torch.randn(shape(batch)),)
+    calibration = [(torch.randn(shape(batch)),) for _ in range(CALIBRATION_BATCHES)]
+    ours = pipeline.quantize(model, example, "w8a8", calibration=calibration, progress=False)
+    stock_x86 = _stock_x86(model, example, calibration)
+    stock_xnn = _stock_xnnpack(model, example, calibration)
+    tag = f"{name}_b{batch}"
+
+    def ours_x86():
+        compiled = compile_x86(to_qdq(ours, example, target="x86_inductor"))
+        return lambda: compiled(*example)
+
+    builders = {
+        "float eager": ("", lambda: lambda: model(*example)),
+        "float Inductor": ("Inductor", lambda: _compiled(model, example)),
+        "ours Inductor int8": ("Inductor", ours_x86),
+        "stock x86 Inductor int8": ("Inductor", lambda: _compiled(torch.export.export(stock_x86, example).module(),
+                                                                  example)),
+        "float .pte (XNNPACK)": (".pte", lambda: _pte_runner(_pte(torch.export.export(model, example),
+                                                                   os.path.join(folder, f"{tag}_float.pte")), example)),
+        "ours .pte (XNNPACK int8)": (".pte", lambda: _pte_runner(
+            to_executorch(ours, example, os.path.join(folder, f"{tag}_ours.pte")).path, example)),
+        "stock .pte (XNNPACKQuantizer)": (".pte", lambda: _pte_runner(
+            _pte(torch.export.export(stock_xnn, example), os.path.join(folder, f"{tag}_stock.pte")), example)),
+    }
+    variants, failed = {}, {}
+    for k, (runtime, build_fn) in builders.items():
+        try:
+            variants[k] = (runtime, build_fn())
+        except Exception as e:  # a variant that cannot be built is a row saying why, not a lost run
+            failed[k] = f"failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:90]}"
+    with torch.no_grad():
+        reference = model(*example)
+        sqnr = {k: _sqnr_db(reference, fn()) for k, (_, fn) in variants.items()}
+        # Each runtime's variants are timed together, one runtime after the
+        # other: XNNPACK's worker threads and Inductor's OpenMP threads would
+        # otherwise compete for the same cores within a repeat.
+        ms = {}
+        for runtime in dict.fromkeys(r for r, _ in variants.values()):
+            names = [k for k, (r, _) in variants.items() if r == runtime]
+            ms.update(zip(names, median_ms([variants[k][1] for k in names], repeats, "cpu")))
+    float_of = {"": "float eager", "Inductor": "float Inductor", ".pte": "float .pte (XNNPACK)"}
+    rows = []
+    for k, (runtime, _) in builders.items():
+        if k in failed:
+            rows.append([name, batch, k, failed[k], "", ""])
+            continue
+        base = ms.get(float_of[runtime])
+        rows.append([name, batch, k, f"{ms[k]:.3f}", "" if base is None else f"{base / ms[k]:.2f}x",
+                     f"{sqnr[k]:.1f}"])
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 32])
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for name in args.models:
+            for batch in args.batches:
+                rows += bench(name, batch, args.repeats, folder)
+    print(f"torch {torch.__version__}, {args.threads} thread(s); median of {args.repeats} runs; "
+          "speed-up against the float model of the same runtime; SQNR against float eager")
+    print(tabulate(rows, headers=["model", "batch", "variant", "ms", "speed-up", "SQNR dB"]))
+
+
+if __name__ == "__main__":
+    main()
