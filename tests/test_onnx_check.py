@@ -1,6 +1,7 @@
 """check_onnx on the model shapes that broke it on real architectures (an
-in-place op after a point, an eval-mode Dropout before one, a dynamic point
-that reads a parameter directly), and its end-to-end bound: per output, an
+in-place op after a point, points whose values the exporter's optimizer
+merges or renames, a dynamic point that reads a parameter directly), and its
+end-to-end bound: per output, an
 RMS difference of at most one quantization step, with the statistics
 reported. The strict per-point check (bit for bit on torch's own inputs) is
 tested in test_export_onnx.py."""
@@ -40,16 +41,30 @@ class InPlaceResidual(nn.Module):
         return torch.relu_(out)
 
 
-class DropoutBetween(nn.Module):
-    """In eval mode the Dropout exports as a clone, which the ONNX optimizer
-    removes: the next point's input is then the first linear's output."""
+class TwinBranches(nn.Module):
+    """Two identical computations of one input: the exporter's optimizer
+    merges them (CSE), and with them the second point's identical
+    quantize/dequantize, which must give the first point's bits."""
 
     def __init__(self):
         super().__init__()
-        self.a, self.b, self.drop = nn.Linear(16, 16), nn.Linear(16, 16), nn.Dropout(0.1)
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
 
     def forward(self, x):
-        return self.b(self.drop(self.a(x)))
+        return self.a(torch.exp(x)) + self.b(torch.exp(x))
+
+
+class FoldedPosition(nn.Module):
+    """A point on `pos * 2`, which constant folding replaces by an
+    initializer of another name: the point's quantize reads that one."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(4, 16))
+        self.a = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.a(x + self.pos * 2)
 
 
 class PositionEmbedding(nn.Module):
@@ -73,8 +88,10 @@ def _converted(model, preset, x):
 
 @pytest.mark.parametrize(
     "model, preset",
-    [(InPlaceResidual, "w8a8"), (DropoutBetween, "w8a8"), (PositionEmbedding, "fp8"), (PositionEmbedding, "mxfp8")],
-    ids=["in-place-after-point", "eval-dropout-before-point", "fp8-point-on-a-parameter", "mxfp8-point-on-a-parameter"],
+    [(InPlaceResidual, "w8a8"), (TwinBranches, "w8a8"), (FoldedPosition, "w8a8"), (FoldedPosition, "fp8"),
+     (PositionEmbedding, "fp8"), (PositionEmbedding, "mxfp8")],
+    ids=["in-place-after-point", "twin-points-merged", "w8a8-point-on-a-folded-constant",
+         "fp8-point-on-a-folded-constant", "fp8-point-on-a-parameter", "mxfp8-point-on-a-parameter"],
 )
 def test_check_onnx_checks_every_point_of_real_model_patterns(model, preset, tmp_path):
     torch.manual_seed(0)
