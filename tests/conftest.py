@@ -240,3 +240,15 @@ def affine_cases(draw, max_numel: int = 40_000) -> AffineCase:
 @pytest.fixture(params=FLOAT_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def dtype(request):
     return request.param
+
+
+def cli_main(capsys, *args):
+    """pt2e_fq.app.cli.main(args) in this process: (exit status, stdout, stderr)."""
+    from pt2e_fq.app import cli
+
+    try:
+        rc = cli.main(list(args))
+    except SystemExit as e:  # argparse
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err

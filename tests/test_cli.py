@@ -12,6 +12,7 @@ import zipfile
 from pathlib import Path
 
 import cli_models
+from conftest import cli_main
 import pytest
 import torch
 from quantizer_models import sqnr_db, single_thread  # noqa: F401 (an autouse fixture: one thread)
@@ -29,16 +30,6 @@ def run_cli(*args, script=False):
     command = [str(Path(sys.executable).parent / "pt2e-fq")] if script else [sys.executable, "-m", "pt2e_fq"]
     env = dict(os.environ, PYTHONPATH="")
     return subprocess.run([*command, *args], cwd=TESTS, env=env, capture_output=True, text=True, timeout=600)
-
-
-def _main(capsys, *args):
-    """cli.main in this process: (exit status, stdout, stderr)."""
-    try:
-        rc = cli.main(list(args))
-    except SystemExit as e:  # argparse
-        rc = e.code
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 QUANTIZE = ["quantize", "--model", "cli_models:tiny_mlp", "--example-input", "8x16", "--no-progress"]
@@ -63,7 +54,7 @@ def test_errors_in_a_fresh_process_have_no_traceback(script, args, status, messa
 
 
 def test_traceback_flag_shows_the_traceback(capsys):
-    rc, _, err = _main(capsys, "quantize", "--model", "cli_models:broken", "--example-input", "8x16",
+    rc, _, err = cli_main(capsys, "quantize", "--model", "cli_models:broken", "--example-input", "8x16",
                        "--preset", "w8a8", "--traceback")
     assert rc == 1
     assert "Traceback" in err and "boom: the factory failed" in err
@@ -100,7 +91,7 @@ def _write(path: Path, text: str) -> str:
     ],
 )
 def test_quantize_argument_errors(capsys, args, message):
-    rc, out, err = _main(capsys, "quantize", *args)
+    rc, out, err = cli_main(capsys, "quantize", *args)
     assert rc == 2
     assert f"pt2e-fq quantize: error: {message}" in err
 
@@ -119,33 +110,33 @@ def test_quantize_argument_errors(capsys, args, message):
     ],
 )
 def test_quantize_argparse_errors(capsys, args, message):
-    rc, out, err = _main(capsys, *QUANTIZE, *args)
+    rc, out, err = cli_main(capsys, *QUANTIZE, *args)
     assert rc == 2
     assert message in err
 
 
 def test_config_file_errors(capsys, tmp_path):
     bad_key = _write(tmp_path / "bad.yaml", "global:\n  weight: {format: int8, granularty: per_tensor}\n")
-    rc, _, err = _main(capsys, *QUANTIZE, "--config", bad_key)
+    rc, _, err = cli_main(capsys, *QUANTIZE, "--config", bad_key)
     assert rc == 2 and "--config:" in err and "global.weight: unknown key 'granularty'" in err
     bad_suffix = _write(tmp_path / "config.txt", "global: null\n")
-    rc, _, err = _main(capsys, *QUANTIZE, "--config", bad_suffix)
+    rc, _, err = cli_main(capsys, *QUANTIZE, "--config", bad_suffix)
     assert rc == 2 and "unknown suffix '.txt'; allowed: .yaml, .yml, .json" in err
     bad_yaml = _write(tmp_path / "broken.yaml", "global: [unclosed\n")
-    rc, _, err = _main(capsys, *QUANTIZE, "--config", bad_yaml)
+    rc, _, err = cli_main(capsys, *QUANTIZE, "--config", bad_yaml)
     assert rc == 2 and f"--config: cannot read {bad_yaml!r}" in err
 
 
 def test_calib_data_errors(capsys, tmp_path):
     path = tmp_path / "calib.pt"
     torch.save({"x": torch.zeros(2, 16)}, path)
-    rc, _, err = _main(capsys, *QUANTIZE, "--preset", "w8a8", "--calib-data", str(path))
+    rc, _, err = cli_main(capsys, *QUANTIZE, "--preset", "w8a8", "--calib-data", str(path))
     assert rc == 2 and "holds a dict; expected a tensor or a non-empty list of batches" in err
     torch.save([torch.zeros(2, 16), "text"], path)
-    rc, _, err = _main(capsys, *QUANTIZE, "--preset", "w8a8", "--calib-data", str(path))
+    rc, _, err = cli_main(capsys, *QUANTIZE, "--preset", "w8a8", "--calib-data", str(path))
     assert rc == 2 and "a model input must be a tensor or a tuple of tensors" in err
     path.write_text("not a torch file")
-    rc, _, err = _main(capsys, *QUANTIZE, "--preset", "w8a8", "--calib-data", str(path))
+    rc, _, err = cli_main(capsys, *QUANTIZE, "--preset", "w8a8", "--calib-data", str(path))
     assert rc == 2 and "cannot load" in err
 
 
@@ -164,7 +155,7 @@ def test_calib_data_errors(capsys, tmp_path):
 def test_calib_batches_must_match_the_example_but_for_the_batch_size(capsys, tmp_path, batches, message):
     path = tmp_path / "calib.pt"
     torch.save(batches, path)
-    rc, _, err = _main(capsys, *QUANTIZE, "--preset", "w8a8", "--calib-data", str(path))
+    rc, _, err = cli_main(capsys, *QUANTIZE, "--preset", "w8a8", "--calib-data", str(path))
     assert rc == 2
     assert f"pt2e-fq quantize: error: --calib-data: {message.format(path=str(path))}" in err
 
@@ -186,7 +177,7 @@ def test_quantize_two_inputs_with_calibration_batches_and_qat(capsys, tmp_path):
     path = tmp_path / "calib.pt"
     g = torch.Generator().manual_seed(0)
     torch.save([(torch.randn(4, 8, generator=g), torch.randn(4, 6, generator=g)) for _ in range(3)], path)
-    rc, out, err = _main(capsys, "quantize", "--model", "cli_models:two_inputs", "--example-input", "4x8,4x6",
+    rc, out, err = cli_main(capsys, "quantize", "--model", "cli_models:two_inputs", "--example-input", "4x8,4x6",
                          "--preset", "w4a8", "--calib-data", str(path), "--qat-steps", "3", "--no-progress")
     assert rc == 0, err
 
@@ -197,7 +188,7 @@ def test_quantize_writes_pt2_and_onnx_and_report_reads_the_pt2(capsys, tmp_path)
     (5 - (-3)) / 255."""
     calib, pt2, onnx_path = tmp_path / "calib.pt", tmp_path / "m.pt2", tmp_path / "m.onnx"
     torch.save(torch.linspace(-3, 5, 20 * 16).reshape(20, 16), calib)
-    rc, out, err = _main(capsys, *QUANTIZE, "--preset", "w8a8", "--calib-data", str(calib),
+    rc, out, err = cli_main(capsys, *QUANTIZE, "--preset", "w8a8", "--calib-data", str(calib),
                          "--out", str(pt2), "--onnx", str(onnx_path))
     assert rc == 0, err
     assert "weight of linear" in out and "output of relu, input of linear_1" in out
@@ -210,31 +201,31 @@ def test_quantize_writes_pt2_and_onnx_and_report_reads_the_pt2(capsys, tmp_path)
         reference, y = cli_models.tiny_mlp()(x), program.module()(x)
     assert sqnr_db(reference, y) > 30
 
-    rc, out, err = _main(capsys, "report", str(pt2))
+    rc, out, err = cli_main(capsys, "report", str(pt2))
     assert rc == 0, err
     # Points: the input, two weights, relu's output (linear_1's input), linear_1's output.
     assert out.count("activation_post_process_") == 5
     assert "INT8 [-127, 127]" in out and "PerChannel(axis=0)" in out
 
-    rc, out, err = _main(capsys, "report", str(pt2), "--example-input", "3x16")  # the batch is dynamic
+    rc, out, err = cli_main(capsys, "report", str(pt2), "--example-input", "3x16")  # the batch is dynamic
     assert rc == 0 and out.count("activation_post_process_") == 5, err
-    rc, _, err = _main(capsys, "report", str(pt2), "--example-input", "8x15")
+    rc, _, err = cli_main(capsys, "report", str(pt2), "--example-input", "8x15")
     assert rc == 2
     assert "--example-input: the example has inputs [(8, 15) float32]; the model takes [(any, 16) float32]" in err
 
 
 def test_report_errors(capsys, tmp_path):
-    rc, _, err = _main(capsys, "report", str(tmp_path / "missing.pt2"))
+    rc, _, err = cli_main(capsys, "report", str(tmp_path / "missing.pt2"))
     assert rc == 2 and "no such file" in err
-    rc, _, err = _main(capsys, "report", "model.onnx")
+    rc, _, err = cli_main(capsys, "report", "model.onnx")
     assert rc == 2 and "expected a .pt2 file name, got 'model.onnx'" in err
     bad = tmp_path / "bad.pt2"
     bad.write_text("not a program")
-    rc, _, err = _main(capsys, "report", str(bad))
+    rc, _, err = cli_main(capsys, "report", str(bad))
     assert rc == 2 and f"{str(bad)!r} is not a .pt2 archive (torch.export.save writes a zip file)" in err
     with zipfile.ZipFile(bad, "w") as archive:  # a zip, but no program in it
         archive.writestr("hello.txt", "hi")
-    rc, _, err = _main(capsys, "report", str(bad))
+    rc, _, err = cli_main(capsys, "report", str(bad))
     assert rc == 2 and f"cannot load {str(bad)!r} as a torch.export program" in err
 
 
@@ -293,7 +284,7 @@ class Opaque:
 
 
 def _one_line_error(capsys, status, *args) -> str:
-    rc, _, err = _main(capsys, *args)
+    rc, _, err = cli_main(capsys, *args)
     assert rc == status, err
     assert err.endswith("\n") and err.count("\n") == 1 and "Traceback" not in err, err
     return err[:-1]

@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from conftest import cli_main
 from quantizer_models import single_thread, sqnr_db  # noqa: F401 (an autouse fixture)
 
 import pt2e_fq
-from pt2e_fq.app import cli, pipeline
+from pt2e_fq.app import pipeline
 
 
 class _StarArgs(nn.Module):
@@ -62,15 +63,6 @@ def test_batch_dynamic_shapes_follows_the_forward_s_parameters():
         torch.testing.assert_close(program.module()(*x), model(*x))
 
 
-def _main(capsys, *args):
-    try:
-        rc = cli.main(list(args))
-    except SystemExit as e:  # argparse
-        rc = e.code
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
 QUANTIZE = ["quantize", "--model", "test_pipeline_args:star_args", "--example-input", "4x8,4x6", "--preset", "w8a8",
             "--no-progress"]
 
@@ -78,7 +70,7 @@ QUANTIZE = ["quantize", "--model", "test_pipeline_args:star_args", "--example-in
 def test_cli_quantizes_a_star_args_model(capsys, tmp_path):
     calib = tmp_path / "calib.pt"
     torch.save([_inputs(256, s) for s in range(3)], calib)
-    rc, out, err = _main(capsys, *QUANTIZE, "--calib-data", str(calib), "--out", str(tmp_path / "m.pt2"))
+    rc, out, err = cli_main(capsys, *QUANTIZE, "--calib-data", str(calib), "--out", str(tmp_path / "m.pt2"))
     assert rc == 0, err
     x = _inputs(5, seed=3)
     with torch.no_grad():
@@ -87,22 +79,22 @@ def test_cli_quantizes_a_star_args_model(capsys, tmp_path):
 
 def test_cli_static_batch_saves_a_program_for_the_example_s_batch_size(capsys, tmp_path):
     pt2 = tmp_path / "m.pt2"
-    rc, out, err = _main(capsys, *QUANTIZE, "--static-batch", "--out", str(pt2))
+    rc, out, err = cli_main(capsys, *QUANTIZE, "--static-batch", "--out", str(pt2))
     assert rc == 0, err
     program = pt2e_fq.load(pt2)
     shapes = [tuple(n.meta["val"].shape) for n in program.graph.nodes
               if n.op == "placeholder" and n.name in program.graph_signature.user_inputs]
     assert shapes == [(4, 8), (4, 6)]  # plain ints: static
-    rc, _, err = _main(capsys, "report", str(pt2), "--example-input", "3x8,3x6")
+    rc, _, err = cli_main(capsys, "report", str(pt2), "--example-input", "3x8,3x6")
     assert rc == 2 and "the model takes [(4, 8) float32, (4, 6) float32]" in err
 
 
 def test_cli_static_batch_needs_calibration_batches_of_the_example_s_size(capsys, tmp_path):
     calib = tmp_path / "calib.pt"
     torch.save([_inputs(4), _inputs(3)], calib)
-    rc, _, err = _main(capsys, *QUANTIZE, "--static-batch", "--calib-data", str(calib))
+    rc, _, err = cli_main(capsys, *QUANTIZE, "--static-batch", "--calib-data", str(calib))
     assert rc == 2
     assert "--calib-data: batch 1 of" in err and "has inputs [(3, 8) float32, (3, 6) float32]; the model takes " \
         "[(4, 8) float32, (4, 6) float32]" in err
-    rc, _, err = _main(capsys, *QUANTIZE, "--calib-data", str(calib))  # a dynamic batch takes both
+    rc, _, err = cli_main(capsys, *QUANTIZE, "--calib-data", str(calib))  # a dynamic batch takes both
     assert rc == 0, err
