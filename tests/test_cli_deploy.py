@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_cli import QUANTIZE, _main
+from conftest import cli_main as _main
+from test_cli import QUANTIZE
 from test_export_executorch import needs_executorch
 
 import pt2e_fq
