@@ -201,8 +201,12 @@ def fake_quantize_affine_learnable_grads(
             int_off = expand(off + (rounded - off).detach())
     # Which integer each element rounds to: the fp32 forward's decision.
     r32 = torch.round((x.float() - float_off32) / s32).to(f64)
-    v = (x64 - float_off) / expand(s)
-    r = v + (r32 - v).detach()  # round, straight through
+    # Round straight through where x is finite; NaN stays NaN and +-Inf
+    # saturates with no derivative (v is computed from a finite stand-in, or
+    # its infinite derivative would turn the zeros around it into NaN).
+    finite = torch.isfinite(x64.detach())
+    v = (torch.where(finite, x64, 0.0) - float_off) / expand(s)
+    r = torch.where(finite, v + (r32 - v).detach(), r32)
     y = (torch.clamp(r + int_off, quant_min, quant_max) - int_off) * expand(s) + float_off
     leaves = [x64, s] + ([off] if off is not None else [])
     grads = torch.autograd.grad(y, leaves, dy.to(f64))

@@ -76,9 +76,9 @@ AffineInputs prepare_affine_inputs(const at::Tensor& x, at::IntArrayRef block_si
   if (zero_point.has_value() && !(float_zero_point && zp_is_float)) {
     TORCH_CHECK_TYPE(!zp_is_float && !at::isComplexType(zero_point->scalar_type()) &&
                          zero_point->scalar_type() != at::kBool,
-                     op, ": zero_point must have an integer dtype",
-                     float_zero_point ? " or a floating one" : "", ", got ",
-                     zero_point->scalar_type());
+                     op, ": zero_point must have ",
+                     float_zero_point ? "an integer or floating dtype" : "an integer dtype",
+                     ", got ", zero_point->scalar_type());
   }
   const std::vector<int64_t> expected = reduced_shape(x.sizes(), block_size);
   AffineInputs in;
