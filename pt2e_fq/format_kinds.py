@@ -30,6 +30,7 @@ from . import ops
 from .formats import ELEMENTS, FloatFormat, Format, IntFormat
 from .granularity import Granularity, PerGroup, PerTensor
 from .qparams import (
+    INT_SCALE_EPS,
     asymmetric_qparams,
     float_scale,
     int_range_limit,
@@ -194,6 +195,26 @@ class _Integer(FormatKind):
         qmin, qmax = self.quant_range(spec)
         return ops.fake_quantize_affine(
             x, block_size, qparams["scale"], qparams.get("zero_point"), qmin, qmax, minval=qparams.get("minval")
+        )
+
+    def learnable_names(self, spec) -> tuple[str, ...]:
+        """The qparams a learnable point trains: the scale, and the offset
+        where the scheme has one (LSQ+): minval (MINVAL) or a floating zero
+        point (ASYMMETRIC ZP). A symmetric zero point stays 0."""
+        if spec.formulation is Formulation.MINVAL:
+            return ("scale", "minval")
+        return ("scale", "zero_point") if spec.scheme is Scheme.ASYMMETRIC else ("scale",)
+
+    def fake_quantize_learnable(self, spec, x, block_size, qparams):
+        """The learnable op on trainable qparams. The scale goes in floored
+        at fp32 eps, straight through: an optimizer step that drives it to
+        0 or below gives the op a valid scale, and its gradient still
+        reaches the parameter, so the next steps can bring it back."""
+        qmin, qmax = self.quant_range(spec)
+        scale = qparams["scale"]
+        scale = scale + (scale.clamp_min(INT_SCALE_EPS) - scale).detach()
+        return ops.fake_quantize_affine_learnable(
+            x, block_size, scale, qparams.get("zero_point"), qmin, qmax, spec.grad_factor, minval=qparams.get("minval")
         )
 
     def decode(self, op, values):

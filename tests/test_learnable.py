@@ -302,3 +302,109 @@ def test_torch_learnable_rounds_the_zero_point_differently_in_backward():
     assert float(t_args[1].grad) != pytest.approx(float(ours[0][1]), rel=1e-2)
     # And its dx uses the mask of zp = 3: elements whose mask differs get the other gradient.
     assert not torch.equal(t_args[0].grad, ours[0][0])
+
+
+# ---------------------------------------------------------------------------
+# QSpec(learnable=True) through prepare_qat_pt2e, training, compile, convert.
+
+import copy  # noqa: E402
+
+import torchao.quantization.pt2e as tao  # noqa: E402
+from simple_quantizer import ConvLinear, LinearConvQuantizer  # noqa: E402
+from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_qat_pt2e  # noqa: E402
+
+import pt2e_fq as q  # noqa: E402
+from pt2e_fq.fake_quantize import FakeQuantize  # noqa: E402
+
+
+def _specs(learnable):
+    return (q.QSpec(q.INT8, scheme="asymmetric", learnable=learnable),
+            q.QSpec(q.INT4, q.PerChannel(0), "symmetric", learnable=learnable))
+
+
+def _batch(seed):
+    return torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(seed))
+
+
+def _prepared(learnable):
+    torch.manual_seed(0)
+    gm = torch.export.export(ConvLinear().train(), (_batch(0),)).module()
+    gm = prepare_qat_pt2e(gm, LinearConvQuantizer(*_specs(learnable)))
+    for s in range(2):  # the observers initialise the ranges
+        gm(_batch(s))
+    gm.apply(tao.disable_observer)
+    return gm
+
+
+def _train(gm, steps=3):
+    opt = torch.optim.SGD(gm.parameters(), lr=0.01)
+    for s in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(gm(_batch(10 + s)), torch.arange(4) % 4).backward()
+        opt.step()
+
+
+def test_learnable_qspec_rules():
+    with pytest.raises(ValueError, match="learnable ranges need an integer format"):
+        q.QSpec(q.FP8_E4M3, learnable=True)
+    with pytest.raises(ValueError, match="learnable needs a static one"):
+        q.QSpec(q.INT8, dynamic=True, learnable=True)
+    with pytest.raises(ValueError, match="grad_factor applies to learnable ranges only"):
+        q.QSpec(q.INT8, grad_factor=0.1)
+    with pytest.raises(ValueError, match="grad_factor must be a finite float > 0"):
+        q.QSpec(q.INT8, learnable=True, grad_factor=-1.0)
+
+
+def test_config_dict_round_trip():
+    from quantizers.qspec_dict import qspec_from_dict, qspec_to_dict
+
+    spec = q.QSpec(q.INT4, q.PerChannel(0), learnable=True, grad_factor=0.02)
+    assert qspec_to_dict(spec)["learnable"] is True
+    assert qspec_from_dict("w", qspec_to_dict(spec)) == spec
+
+
+def test_learned_qparams_are_named_parameters_that_train():
+    gm = _prepared(learnable=True)
+    learned = {n: p.detach().clone() for n, p in gm.named_parameters() if n.rsplit(".", 1)[-1] in
+               ("scale", "zero_point", "minval")}
+    # Per point: the activation's scale and zero point (asymmetric), the weight's scale (symmetric).
+    points = {n.rsplit(".", 1)[0] for n in learned}
+    assert len(points) >= 3 and all(isinstance(gm.get_submodule(p), FakeQuantize) for p in points)
+    assert any(n.endswith(".zero_point") for n in learned) and sum(n.endswith(".scale") for n in learned) == len(points)
+    _train(gm)
+    changed = [n for n, p in gm.named_parameters() if n in learned and not torch.equal(p, learned[n])]
+    assert set(changed) >= {n for n in learned if n.endswith(".scale")}
+
+
+def test_torch_compile_fullgraph_trains_as_eager():
+    eager = _prepared(learnable=True)
+    compiled_model = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")
+    for model in (eager, compiled):
+        torch.nn.functional.cross_entropy(model(_batch(20)), torch.arange(4) % 4).backward()
+    grads = {n: p.grad for n, p in eager.named_parameters() if n.endswith(".scale")}
+    for n, p in compiled_model.named_parameters():
+        if n in grads:
+            torch.testing.assert_close(p.grad, grads[n], rtol=1e-6, atol=0)
+
+
+def test_convert_freezes_into_the_static_form():
+    learned, static = _prepared(learnable=True), _prepared(learnable=False)
+    _train(learned)
+    for gm in (learned, static):
+        tao.move_exported_model_to_eval(gm)
+    learned_c, static_c = convert_pt2e(learned), convert_pt2e(static)
+    names = ("scale", "zero_point", "minval")
+    assert not [n for n, _ in learned_c.named_parameters() if n.rsplit(".", 1)[-1] in names]
+    x = _batch(30)
+    programs = [torch.export.export(m, (x,)) for m in (learned_c, static_c)]
+
+    def form(ep):
+        nodes = [(n.op, str(n.target)) for n in ep.graph.nodes if n.op == "call_function"]
+        buffers = {k: (v.dtype, v.shape) for k, v in ep.state_dict.items()}
+        return nodes, buffers
+
+    assert form(programs[0]) == form(programs[1])
+    # The frozen point computes the static op on its (learned) buffers.
+    point = next(m for m in learned_c.modules() if isinstance(m, FakeQuantize) and "zero_point" in m._buffers)
+    assert point.zero_point.dtype == torch.int32
