@@ -336,14 +336,10 @@ class FakeQuantize(FakeQuantizeBase):
             check_finite(model)
         if "nonfinite" in self._buffers:  # once, at convert: the report still shows it after
             self._nonfinite_at_convert = int(self.nonfinite)
-        # Learned qparams become buffers of a static point's dtypes (a zero
-        # point as the forward used it: rounded half to even, clamped), so
-        # the converted point is a static one in every respect.
+        # Learned qparams become buffers as the op applied them, in a static
+        # point's dtypes, so the converted point is a static one in every respect.
         for name in self._learned:
-            value = self._parameters.pop(name).detach()
-            if name == "zero_point":
-                value = value.clamp(self.quant_min, self.quant_max).round().to(torch.int32)
-            self.register_buffer(name, value.clone())
+            self.register_buffer(name, self._kind.frozen_learned(self.qspec, name, self._parameters.pop(name)))
         self._frozen = True
         self._observer_on = False
         for name in _PREPARE_ONLY_BUFFERS:

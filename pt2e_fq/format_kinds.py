@@ -205,6 +205,18 @@ class _Integer(FormatKind):
             return ("scale", "minval")
         return ("scale", "zero_point") if spec.scheme is Scheme.ASYMMETRIC else ("scale",)
 
+    def frozen_learned(self, spec, name: str, value: torch.Tensor) -> torch.Tensor:
+        """A learned qparam as the learnable op applies it, in a static
+        point's dtype: the scale floored at fp32 eps (fake_quantize_learnable),
+        the zero point rounded half to even after clamping, as int32."""
+        value = value.detach()
+        if name == "scale":
+            return value.clamp_min(INT_SCALE_EPS)
+        if name == "zero_point":
+            qmin, qmax = self.quant_range(spec)
+            return value.clamp(qmin, qmax).round().to(torch.int32)
+        return value.clone()
+
     def fake_quantize_learnable(self, spec, x, block_size, qparams):
         """The learnable op on trainable qparams. The scale goes in floored
         at fp32 eps, straight through: an optimizer step that drives it to

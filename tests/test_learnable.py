@@ -408,3 +408,21 @@ def test_convert_freezes_into_the_static_form():
     # The frozen point computes the static op on its (learned) buffers.
     point = next(m for m in learned_c.modules() if isinstance(m, FakeQuantize) and "zero_point" in m._buffers)
     assert point.zero_point.dtype == torch.int32
+
+
+def test_freeze_qat_keeps_learned_ranges_and_convert_floors_the_scale():
+    from pt2e_fq.app import pipeline
+
+    gm = _prepared(learnable=True)
+    points = [m for m in gm.modules() if isinstance(m, FakeQuantize)]
+    with torch.no_grad():
+        for m in points:
+            m.scale.fill_(0.5)
+        points[0].scale.view(-1)[0] = -1.0  # an optimizer step past zero
+    pipeline.freeze_qat(gm, _batch(40))  # observers of learnable points stay off
+    assert all(torch.all(m.scale.view(-1)[1:] == 0.5) for m in points)
+    converted = pipeline.convert(gm)
+    frozen = [m for m in converted.modules() if isinstance(m, FakeQuantize)]
+    # Frozen as the op applied it: floored at fp32 eps.
+    assert float(frozen[0].scale.view(-1)[0]) == torch.finfo(torch.float32).eps
+
