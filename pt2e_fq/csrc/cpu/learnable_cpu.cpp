@@ -32,59 +32,72 @@ at::Tensor fake_quantize_affine_learnable_cpu(const at::Tensor& x, at::IntArrayR
   return std::get<0>(affine_forward(in, quant_min, quant_max));
 }
 
-// The sums of a run inside one block, in a fixed order: 8 interleaved
-// partial sums (one vector register's worth), combined pairwise.
-inline float sum8(const float (&p)[8]) {
-  return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+// dx of n elements, and each element's terms of the block sums: its d scale
+// and its dy outside the range. kPerElement: qparams are arrays of n values
+// (small blocks); otherwise one value each for the whole run. The sums are
+// taken after, from dscale / outside: a reduction inside this loop kept it
+// from vectorising (a scalar loop with a branch per select).
+template <typename T, bool kPerElement>
+PT2E_FQ_CLONES void lsq_elements(const T* __restrict__ x, const T* __restrict__ dy,
+                                 T* __restrict__ dx, int64_t n, const float* __restrict__ scale,
+                                 const float* __restrict__ ioff, const float* __restrict__ foff,
+                                 float qmin, float qmax, float* __restrict__ dscale,
+                                 float* __restrict__ outside) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t k = kPerElement ? i : 0;
+    dx[i] = store_as<T>(lsq_grads_one(load_f32(x[i]), load_f32(dy[i]), scale[k], ioff[k], foff[k],
+                                      qmin, qmax, dscale[i], outside[i]));
+  }
 }
 
-template <typename T>
-PT2E_FQ_CLONES void lsq_run(const T* __restrict__ x, const T* __restrict__ dy,
-                            T* __restrict__ dx, int64_t n, float s, float io, float fo,
-                            float qmin, float qmax, float& sum_scale, float& sum_outside) {
-  float ps[8] = {}, po[8] = {};
-  const auto one = [&](int64_t i, int j) {
-    float ds, out;
-    dx[i] = store_as<T>(lsq_grads_one(load_f32(x[i]), load_f32(dy[i]), s, io, fo, qmin, qmax,
-                                      ds, out));
-    ps[j] += ds;
-    po[j] += out;
-  };
+// The sum of n floats in a fixed order: 8 interleaved partial sums (one
+// vector register's worth), combined pairwise.
+PT2E_FQ_CLONES inline float sum_run(const float* __restrict__ p, int64_t n) {
+  float l[8] = {};
   const int64_t full = n / 8 * 8;
   for (int64_t i = 0; i < full; i += 8) {
-    for (int j = 0; j < 8; ++j) one(i + j, j);
+    for (int j = 0; j < 8; ++j) l[j] += p[i + j];
   }
-  for (int64_t i = full; i < n; ++i) one(i, static_cast<int>(i - full));
-  sum_scale = sum8(ps);
-  sum_outside = sum8(po);
+  for (int64_t i = full; i < n; ++i) l[i - full] += p[i];
+  return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
 }
 
 // Elements [begin, end) of one reduction group: dx, and the group's
-// per-block sums added to acc_scale / acc_outside in element order.
+// per-block sums added to acc_scale / acc_outside, chunk by chunk: per run
+// inside one block its 8-lane sum, per element where blocks are shorter
+// than kMinRun along the row.
 template <typename T>
 void lsq_group(const T* x, const T* dy, T* dx, int64_t begin, int64_t end, const BlockLayout& L,
                const AffineQparams& qp, float* acc_scale, float* acc_outside) {
+  alignas(64) float s_buf[kChunk], i_buf[kChunk], f_buf[kChunk], ds_buf[kChunk], out_buf[kChunk];
   for (int64_t c0 = begin; c0 < end; c0 += kChunk) {
-    for_each_qparam_run(L, c0, std::min(end, c0 + kChunk), [&](const QparamRun& run,
-                                                               bool one_block) {
-      const int64_t i = run.i;
+    const int64_t c1 = std::min(end, c0 + kChunk);
+    // As the forward (affine_chunk): one qparam per run, or gathered.
+    for_each_qparam_run(L, c0, c1, [&](const QparamRun& run, bool one_block) {
+      const int64_t k = run.i - c0, i = run.i;
       if (one_block) {
-        float s_sum, o_sum;
-        lsq_run(x + i, dy + i, dx + i, run.n, qp.scale[run.b], qp.ioff_at(run.b),
-                qp.foff_at(run.b), qp.qmin, qp.qmax, s_sum, o_sum);
-        acc_scale[run.b] += s_sum;
-        acc_outside[run.b] += o_sum;
+        const float s = qp.scale[run.b], io = qp.ioff_at(run.b), fo = qp.foff_at(run.b);
+        lsq_elements<T, false>(x + i, dy + i, dx + i, run.n, &s, &io, &fo, qp.qmin, qp.qmax,
+                               ds_buf + k, out_buf + k);
         return;
       }
-      // Blocks shorter than kMinRun along the row: qparams per element.
+      gather_qparams(run, [&](int64_t b) { return qp.scale[b]; }, s_buf);
+      gather_qparams(run, [&](int64_t b) { return qp.ioff_at(b); }, i_buf);
+      gather_qparams(run, [&](int64_t b) { return qp.foff_at(b); }, f_buf);
+      lsq_elements<T, true>(x + i, dy + i, dx + i, run.n, s_buf, i_buf, f_buf, qp.qmin, qp.qmax,
+                            ds_buf + k, out_buf + k);
+    });
+    for_each_qparam_run(L, c0, c1, [&](const QparamRun& run, bool one_block) {
+      const int64_t k = run.i - c0;
+      if (one_block) {
+        acc_scale[run.b] += sum_run(ds_buf + k, run.n);
+        acc_outside[run.b] += sum_run(out_buf + k, run.n);
+        return;
+      }
       int64_t b = run.b, r = run.r;
-      for (int64_t k = i; k < i + run.n; ++k) {
-        float ds, out;
-        dx[k] = store_as<T>(lsq_grads_one(load_f32(x[k]), load_f32(dy[k]), qp.scale[b],
-                                          qp.ioff_at(b), qp.foff_at(b), qp.qmin, qp.qmax, ds,
-                                          out));
-        acc_scale[b] += ds;
-        acc_outside[b] += out;
+      for (int64_t e = k; e < k + run.n; ++e) {
+        acc_scale[b] += ds_buf[e];
+        acc_outside[b] += out_buf[e];
         if (++r == run.blk) {
           r = 0;
           ++b;
