@@ -51,15 +51,17 @@ PT2E_FQ_CLONES void lsq_elements(const T* __restrict__ x, const T* __restrict__ 
 }
 
 // The sum of n floats in a fixed order: 8 interleaved partial sums (one
-// vector register's worth), combined pairwise.
+// vector register's worth) combined pairwise, then the last n % 8 in order.
+// (Adding the tail into the lanes by index kept them in memory, unvectorised.)
 PT2E_FQ_CLONES inline float sum_run(const float* __restrict__ p, int64_t n) {
   float l[8] = {};
   const int64_t full = n / 8 * 8;
   for (int64_t i = 0; i < full; i += 8) {
     for (int j = 0; j < 8; ++j) l[j] += p[i + j];
   }
-  for (int64_t i = full; i < n; ++i) l[i - full] += p[i];
-  return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+  float tail = 0.0f;
+  for (int64_t i = full; i < n; ++i) tail += p[i];
+  return (((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))) + tail;
 }
 
 // Elements [begin, end) of one reduction group: dx, and the group's
