@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from conftest import FLOAT_DTYPES, affine_cases, assert_bits_equal, make_case
+from conftest import affine_cases, assert_bits_equal, make_case, requires_cuda_kernels
 from pt2e_fq import ops, reference
 from pt2e_fq.blocks import reduce_blocks
 
@@ -426,3 +426,39 @@ def test_freeze_qat_keeps_learned_ranges_and_convert_floors_the_scale():
     # Frozen as the op applied it: floored at fp32 eps.
     assert float(frozen[0].scale.view(-1)[0]) == torch.finfo(torch.float32).eps
 
+
+
+def test_no_host_sync_in_forward_and_backward():
+    # A host sync (.item(), a branch on a value) cannot be traced with fake
+    # tensors; the trace holds one node of each op.
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(x, scale, zero_point, dy):
+        y = ops.fake_quantize_affine_learnable(x, [1, 32], scale, zero_point, -8, 7)
+        return torch.autograd.grad(y, (x, scale, zero_point), dy)
+
+    args = (torch.randn(4, 64, requires_grad=True), torch.full((4, 2), 0.1, requires_grad=True),
+            torch.zeros(4, 2, requires_grad=True), torch.randn(4, 64))
+    graph = make_fx(step, tracing_mode="fake")(*args).graph
+    targets = [n.target for n in graph.nodes if n.op == "call_function"]
+    assert targets.count(LEARNABLE) == 1 and targets.count(BACKWARD) == 1
+
+
+@requires_cuda_kernels
+def test_cuda_matches_cpu_and_makes_no_host_sync(dtype):
+    x, scale, zp, _, qmin, qmax = _case((64, 96), (1, 32), dtype, "float_zp", seed=8)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(9)).to(dtype)
+    cpu = BACKWARD(dy, x, [1, 32], scale, zp, qmin, qmax, 0.1, None)
+    xc, sc, zc = (t.cuda().requires_grad_() for t in (x, scale, zp))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = ops.fake_quantize_affine_learnable(xc, [1, 32], sc, zc, qmin, qmax, 0.1)
+        y.backward(dy.cuda())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert_bits_equal(y.cpu(), ops.fake_quantize_affine_learnable(x, [1, 32], scale, zp, qmin, qmax, 0.1))
+    assert_bits_equal(xc.grad.cpu(), cpu[0])
+    bound = _sum_bound(dy, [1, 32], qmin, qmax, 0.1)
+    assert ((sc.grad.cpu().double() - cpu[1].double()).abs() <= bound).all()
+    assert ((zc.grad.cpu().double() - cpu[2].double()).abs() <= bound).all()
