@@ -462,3 +462,13 @@ def test_cuda_matches_cpu_and_makes_no_host_sync(dtype):
     bound = _sum_bound(dy, [1, 32], qmin, qmax, 0.1)
     assert ((sc.grad.cpu().double() - cpu[1].double()).abs() <= bound).all()
     assert ((zc.grad.cpu().double() - cpu[2].double()).abs() <= bound).all()
+
+
+def test_report_reads_a_prepared_model_with_learned_ranges():
+    import io
+
+    gm = _prepared(learnable=True)
+    rows = q.report(gm, (_batch(1),), file=io.StringIO()).rows
+    static_rows = q.report(_prepared(learnable=False), (_batch(1),), file=io.StringIO()).rows
+    # Before any training the learned qparams are the observed ones: the same rows.
+    assert rows == static_rows and all(r["clipped"] is not None for r in rows)
