@@ -472,3 +472,13 @@ def test_report_reads_a_prepared_model_with_learned_ranges():
     static_rows = q.report(_prepared(learnable=False), (_batch(1),), file=io.StringIO()).rows
     # Before any training the learned qparams are the observed ones: the same rows.
     assert rows == static_rows and all(r["clipped"] is not None for r in rows)
+
+
+def test_forward_mode_ad_is_refused_not_dropped():
+    # Reverse mode only: a tangent through the learnable op is an error, never a silent zero.
+    from torch.autograd import forward_ad
+
+    x = torch.randn(4, 8)
+    with forward_ad.dual_level(), pytest.raises(NotImplementedError, match="jvp"):
+        ops.fake_quantize_affine_learnable(forward_ad.make_dual(x, torch.ones_like(x)), [4, 8], torch.tensor(0.1),
+                                           None, -8, 7)
