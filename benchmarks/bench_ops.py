@@ -5,7 +5,8 @@ integer ranges, LSQ+, per-tensor and per-channel; FP8 per-tensor and
 per-channel; MXFP8, MXFP4, NVFP4), in fp32 and bf16, our op and every
 baseline that applies run on the same x and qparams, interleaved within each
 repeat. Baselines: ATen's fake-quant ops (and its learnable ones, whose
-backward also gives d scale and d zero point, as ours), torchao's Python paths, the eager
+backward also gives d scale and d zero point, as ours, and torchao's
+prototype range learning), torchao's Python paths, the eager
 torch composite, and (with --compile, the default on CUDA) the same math as a
 torch.compile'd composite. Printed: the environment; one table with, per
 implementation, forward and forward+backward ms (medians), effective GB/s and
@@ -32,6 +33,8 @@ import torch
 import pt2e_fq  # before torchao: it quiets torchao's import-time log lines about its C++ libraries
 import torchao
 from tabulate import tabulate
+from torchao.quantization.qat import IntxFakeQuantizeConfig, initialize_fake_quantizers
+from torchao.quantization.qat.fake_quantizer import IntxFakeQuantizer
 from torchao.quantization.quant_primitives import _fake_quantize_affine
 
 # On CUDA x must be far larger than the L2 cache (50 MB on an H100) for GB/s
@@ -155,6 +158,19 @@ def aten_learnable_per_channel(x, p):
                                                             0, p["qmin"], p["qmax"], p["grad_factor"])
 
 
+def torchao_range_learning(x, p):
+    """torchao's prototype range learning: IntxFakeQuantizer per channel,
+    asymmetric int4, scale and (fp32) zero point as Parameters, initialised
+    on x at first use (its Round is straight through, the rest autograd)."""
+    if "torchao_fq" not in p:
+        config = IntxFakeQuantizeConfig(torch.int4, granularity="per_channel", is_symmetric=False, is_dynamic=False,
+                                        range_learning=True, zero_point_precision=torch.float32)
+        p["torchao_fq"] = IntxFakeQuantizer(config)
+        with torch.no_grad():
+            initialize_fake_quantizers(p["torchao_fq"], (x.detach(),))
+    return p["torchao_fq"](x)
+
+
 def torchao_affine(x, p):
     return _fake_quantize_affine(x, tuple(p["block_size"]), p["scale"], p["zero_point"], torch.int8,
                                  p["qmin"], p["qmax"])
@@ -237,6 +253,8 @@ ATEN_LEARNABLE_PER_TENSOR = Baseline("ATen _fake_quantize_learnable_per_tensor_a
                                      target=3.0)
 ATEN_LEARNABLE_PER_CHANNEL = Baseline("ATen _fake_quantize_learnable_per_channel_affine",
                                       aten_learnable_per_channel, target=3.0)
+TORCHAO_RANGE_LEARNING = Baseline("torchao IntxFakeQuantizer(range_learning=True) (prototype)",
+                                  torchao_range_learning)
 GIVEN_SCALES_FRACTION = 0.85  # integer and FP8: the scales are inputs
 BLOCK_SCALED_FRACTION = 0.75  # MX and NVFP4: the kernel computes a scale per block
 CASES = [
@@ -252,7 +270,7 @@ CASES = [
     Case("int8 learnable per-tensor (LSQ+)", lambda x: learnable_qparams(x, per_tensor(x), INT8), ours_learnable,
          [ATEN_LEARNABLE_PER_TENSOR], None),
     Case("int4 learnable per-channel (axis 0, LSQ+)", lambda x: learnable_qparams(x, per_channel(x), INT4),
-         ours_learnable, [ATEN_LEARNABLE_PER_CHANNEL], None),
+         ours_learnable, [ATEN_LEARNABLE_PER_CHANNEL, TORCHAO_RANGE_LEARNING], None),
     Case("FP8 E4M3 per-tensor", lambda x: fp8_qparams(x, per_tensor(x)), ours_fp8,
          [EAGER_FP8, COMPILED_FP8], GIVEN_SCALES_FRACTION),
     Case("FP8 E4M3 per-channel (axis 0)", lambda x: fp8_qparams(x, per_channel(x)), ours_fp8,
