@@ -1,9 +1,12 @@
 """Benchmark of the fused fake-quant op against the implementations it replaces.
 
-For every case (integer per-tensor, per-channel and per-block; FP8 per-tensor
-and per-channel; MXFP8, MXFP4, NVFP4), in fp32 and bf16, our op and every
+For every case (integer per-tensor, per-channel and per-block; learnable
+integer ranges, LSQ+, per-tensor and per-channel; FP8 per-tensor and
+per-channel; MXFP8, MXFP4, NVFP4), in fp32 and bf16, our op and every
 baseline that applies run on the same x and qparams, interleaved within each
-repeat. Baselines: ATen's fake-quant ops, torchao's Python paths, the eager
+repeat. Baselines: ATen's fake-quant ops (and its learnable ones, whose
+backward also gives d scale and d zero point, as ours, and torchao's
+prototype range learning), torchao's Python paths, the eager
 torch composite, and (with --compile, the default on CUDA) the same math as a
 torch.compile'd composite. Printed: the environment; one table with, per
 implementation, forward and forward+backward ms (medians), effective GB/s and
@@ -13,6 +16,7 @@ then a table of targets, each pass or miss. Add a case by appending to CASES.
 
     python benchmarks/bench_ops.py [--device cpu|cuda] [--shape ROWSxCOLS] [--dtype float32|bfloat16]
                                    [--repeats N] [--quick] [--threads N] [--compile | --no-compile]
+                                   [--only TEXT]
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import torch
 import pt2e_fq  # before torchao: it quiets torchao's import-time log lines about its C++ libraries
 import torchao
 from tabulate import tabulate
+from torchao.quantization.qat import IntxFakeQuantizeConfig, initialize_fake_quantizers
+from torchao.quantization.qat.fake_quantizer import IntxFakeQuantizer
 from torchao.quantization.quant_primitives import _fake_quantize_affine
 
 # On CUDA x must be far larger than the L2 cache (50 MB on an H100) for GB/s
@@ -58,14 +64,15 @@ class Baseline:
 class Case:
     """One format and granularity: make(x) returns the qparams every
     implementation takes as its second argument; ours(x, qparams) is our op.
-    copy_fraction: the fraction of copy bandwidth our forward must reach.
+    copy_fraction: the fraction of copy bandwidth our forward must reach
+    (None: no forward target, the forward is another case's kernel).
     cpu_max_repeats: for baselines that take a second a call on CPU."""
 
     name: str
     make: Callable[[torch.Tensor], dict]
     ours: Callable[[torch.Tensor, dict], torch.Tensor]
     baselines: list[Baseline]
-    copy_fraction: float
+    copy_fraction: Optional[float]
     cpu_max_repeats: Optional[int] = None
 
 
@@ -111,6 +118,22 @@ def ours_fp8(x, p):
     return pt2e_fq.ops.fake_quantize_float(x, p["block_size"], p["scale"], E4M3)
 
 
+def learnable_qparams(x, block_size, qrange):
+    """affine_qparams as leaves that require grad, the zero point fp32 (LSQ+
+    learns it: both our op and torch's differentiate it), and LSQ's
+    grad_factor."""
+    p = affine_qparams(x, block_size, qrange)
+    p["scale"] = p["scale"].requires_grad_()
+    p["zero_point"] = p["zero_point"].float().requires_grad_()
+    p["grad_factor"] = pt2e_fq.ops.lsq_grad_factor(pt2e_fq.ops.block_numel(x.shape, block_size), qrange[1])
+    return p
+
+
+def ours_learnable(x, p):
+    return pt2e_fq.ops.fake_quantize_affine_learnable(x, p["block_size"], p["scale"], p["zero_point"], p["qmin"],
+                                                      p["qmax"], p["grad_factor"])
+
+
 # ---------------------------------------------------------------------------
 # Baselines
 
@@ -123,6 +146,29 @@ def aten_per_tensor(x, p):
 def aten_per_channel(x, p):
     return torch.fake_quantize_per_channel_affine(x, p["scale"].reshape(-1), p["zero_point"].reshape(-1), 0,
                                                   p["qmin"], p["qmax"])
+
+
+def aten_learnable_per_tensor(x, p):
+    return torch._fake_quantize_learnable_per_tensor_affine(x, p["scale"].reshape(1), p["zero_point"].reshape(1),
+                                                           p["qmin"], p["qmax"], p["grad_factor"])
+
+
+def aten_learnable_per_channel(x, p):
+    return torch._fake_quantize_learnable_per_channel_affine(x, p["scale"].reshape(-1), p["zero_point"].reshape(-1),
+                                                            0, p["qmin"], p["qmax"], p["grad_factor"])
+
+
+def torchao_range_learning(x, p):
+    """torchao's prototype range learning: IntxFakeQuantizer per channel,
+    asymmetric int4, scale and (fp32) zero point as Parameters, initialised
+    on x at first use (its Round is straight through, the rest autograd)."""
+    if "torchao_fq" not in p:
+        config = IntxFakeQuantizeConfig(torch.int4, granularity="per_channel", is_symmetric=False, is_dynamic=False,
+                                        range_learning=True, zero_point_precision=torch.float32)
+        p["torchao_fq"] = IntxFakeQuantizer(config)
+        with torch.no_grad():
+            initialize_fake_quantizers(p["torchao_fq"], (x.detach(),))
+    return p["torchao_fq"](x)
 
 
 def torchao_affine(x, p):
@@ -202,6 +248,13 @@ def per_block(x):
     return (1, GROUP)
 
 
+# Learnable ranges: forward+backward also gives d scale and d zero point.
+ATEN_LEARNABLE_PER_TENSOR = Baseline("ATen _fake_quantize_learnable_per_tensor_affine", aten_learnable_per_tensor,
+                                     target=3.0)
+ATEN_LEARNABLE_PER_CHANNEL = Baseline("ATen _fake_quantize_learnable_per_channel_affine",
+                                      aten_learnable_per_channel, target=3.0)
+TORCHAO_RANGE_LEARNING = Baseline("torchao IntxFakeQuantizer(range_learning=True) (prototype)",
+                                  torchao_range_learning)
 GIVEN_SCALES_FRACTION = 0.85  # integer and FP8: the scales are inputs
 BLOCK_SCALED_FRACTION = 0.75  # MX and NVFP4: the kernel computes a scale per block
 CASES = [
@@ -213,6 +266,11 @@ CASES = [
          [TORCHAO_AFFINE, COMPILED_AFFINE], GIVEN_SCALES_FRACTION),
     Case(f"int4 per-block {GROUP}", lambda x: affine_qparams(x, per_block(x), INT4), ours_affine,
          [TORCHAO_AFFINE, COMPILED_AFFINE], GIVEN_SCALES_FRACTION),
+    # The learnable forward is the integer cases' kernel: its target is theirs.
+    Case("int8 learnable per-tensor (LSQ+)", lambda x: learnable_qparams(x, per_tensor(x), INT8), ours_learnable,
+         [ATEN_LEARNABLE_PER_TENSOR], None),
+    Case("int4 learnable per-channel (axis 0, LSQ+)", lambda x: learnable_qparams(x, per_channel(x), INT4),
+         ours_learnable, [ATEN_LEARNABLE_PER_CHANNEL, TORCHAO_RANGE_LEARNING], None),
     Case("FP8 E4M3 per-tensor", lambda x: fp8_qparams(x, per_tensor(x)), ours_fp8,
          [EAGER_FP8, COMPILED_FP8], GIVEN_SCALES_FRACTION),
     Case("FP8 E4M3 per-channel (axis 0)", lambda x: fp8_qparams(x, per_channel(x)), ours_fp8,
@@ -356,13 +414,13 @@ class Measured:
     baselines: list  # (Baseline, Result or str)
 
 
-def run(device, shape, dtypes, repeats, compile_baselines):
-    """Per dtype: the copy's ms, and a Measured per case."""
+def run(device, shape, dtypes, repeats, compile_baselines, cases=CASES):
+    """Per dtype: the copy's ms, and a Measured per case of `cases`."""
     copies, measured = {}, []
     for dtype in dtypes:
         x = torch.randn(shape, device=device).to(dtype)
         copies[dtype] = copy_ms(x, max(repeats, 50), device)  # cheap: more repeats, a steadier reference
-        for case in CASES:
+        for case in cases:
             p = case.make(x)
             n = min(repeats, case.cpu_max_repeats or repeats) if device == "cpu" else repeats
             baselines = [b for b in case.baselines if compile_baselines or not b.compiled]
@@ -414,7 +472,7 @@ def results_table(shape, copies, measured):
     rows = []
     for m in measured:
         copy = copy_gbps(shape, m.dtype, copies[m.dtype])
-        if m.case is CASES[0]:  # the copy heads the rows of its dtype
+        if m is next(n for n in measured if n.dtype == m.dtype):  # the copy heads the rows of its dtype
             rows.append(["device copy", "dst.copy_(x)", _dt(m.dtype), f"{copies[m.dtype]:.3f}", "",
                          f"{copy:.1f}", "100%"] + [""] * 4)
         rows.append(result_row(m.case.name, "pt2e_fq", m.dtype, m.ours, shape, copy))
@@ -434,13 +492,14 @@ def targets_table(shape, copies, measured):
     rows = []
     for m in measured:
         where = [m.case.name, _dt(m.dtype)]
-        target = f"fwd >= {m.case.copy_fraction:.0%} of copy"
         if isinstance(m.ours, str):
-            rows.append(where + [target, m.ours, "miss"])
+            rows.append(where + ["runs", m.ours, "miss"])
             continue
-        _, fwd_frac, _, fb_frac = bandwidth(m.ours, shape, m.dtype, copy_gbps(shape, m.dtype, copies[m.dtype]))
-        rows.append(where + [target, f"{fwd_frac:.0%} (fwd+bwd {fb_frac:.0%})",
-                             "pass" if fwd_frac >= m.case.copy_fraction else "miss"])
+        if m.case.copy_fraction is not None:
+            target = f"fwd >= {m.case.copy_fraction:.0%} of copy"
+            _, fwd_frac, _, fb_frac = bandwidth(m.ours, shape, m.dtype, copy_gbps(shape, m.dtype, copies[m.dtype]))
+            rows.append(where + [target, f"{fwd_frac:.0%} (fwd+bwd {fb_frac:.0%})",
+                                 "pass" if fwd_frac >= m.case.copy_fraction else "miss"])
         for b, r in m.baselines:
             if b.target is None:
                 continue
@@ -493,7 +552,11 @@ def main():
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction,
                     help="include the torch.compile'd baselines (default: on CUDA only; on CPU each "
                          "compilation takes tens of seconds)")
+    ap.add_argument("--only", metavar="TEXT", help="only the cases whose name contains TEXT (e.g. learnable)")
     args = ap.parse_args()
+    cases = [c for c in CASES if args.only is None or args.only in c.name]
+    if not cases:
+        ap.error(f"--only {args.only!r} matches no case; cases: {', '.join(c.name for c in CASES)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -506,7 +569,7 @@ def main():
     else:
         dtypes = [torch.float32] if args.quick else [torch.float32, torch.bfloat16]
     compile_baselines = args.device == "cuda" if args.compile is None else args.compile
-    copies, measured = run(args.device, shape, dtypes, repeats, compile_baselines)
+    copies, measured = run(args.device, shape, dtypes, repeats, compile_baselines, cases)
     print(environment(args.device, shape, repeats))
     print(tabulate(results_table(shape, copies, measured), headers=RESULT_HEADERS, tablefmt="github",
                    disable_numparse=True))

@@ -99,6 +99,11 @@ class FakeQuantize(FakeQuantizeBase):
     not saved in the state_dict: a diagnostic, see `nonfinite_count`) plus
     torchao's `fake_quant_enabled` / `observer_enabled`. A dynamic point
     stores no qparams. Qparams stay fp32 when the model is cast to bf16.
+
+    A learnable point (QSpec(learnable=True)) holds the qparams it trains
+    (`format_kinds` INTEGER `learnable_names`) as Parameters instead, named
+    `<module path>.scale` and so on: the observer sets them while it is on,
+    the optimizer while it is off; convert turns them into the buffers above.
     """
 
     def __init__(
@@ -142,8 +147,15 @@ class FakeQuantize(FakeQuantizeBase):
         self._fake_quant_on = True
         self._frozen = False
         self._nonfinite_at_convert: Optional[int] = None
+        # Learnable qparams are Parameters from the start (empty until the
+        # first observation sizes them), so an optimizer built right after
+        # prepare already holds them; a trained zero point is fp32.
+        self._learned = self._kind.learnable_names(qspec) if qspec.learnable else ()
         if not qspec.dynamic:
             for name in self._qparam_names:
+                if name in self._learned:
+                    self.register_parameter(name, torch.nn.Parameter(torch.empty(0)))
+                    continue
                 dt = torch.int32 if name == "zero_point" else torch.float32
                 self.register_buffer(name, torch.empty(0, dtype=dt))
             if self._observer.keeps_range:
@@ -162,7 +174,7 @@ class FakeQuantize(FakeQuantizeBase):
     @property
     def is_calibrated(self) -> bool:
         """True when the point has qparams to apply (always, for dynamic)."""
-        return all(self._buffers[n].numel() > 0 for n in self._qparam_buffer_names())
+        return all(self._state(n).numel() > 0 for n in self._qparam_buffer_names())
 
     @property
     def nonfinite_count(self) -> Optional[int]:
@@ -176,16 +188,27 @@ class FakeQuantize(FakeQuantizeBase):
     def _qparam_buffer_names(self) -> tuple[str, ...]:
         return () if self.qspec.dynamic else self._qparam_names
 
+    def _state(self, name: str) -> Optional[torch.Tensor]:
+        """A stored tensor by name: a buffer, or a learnable qparam's Parameter."""
+        t = self._buffers.get(name)
+        return self._parameters.get(name) if t is None else t
+
+    @property
+    def is_learning(self) -> bool:
+        """True while the optimizer trains the qparams: a learnable point,
+        calibrated, observer off, not converted."""
+        return bool(self._learned) and not self._frozen and not self._observer_on
+
     def calculate_qparams(self, **kwargs) -> dict[str, torch.Tensor]:
         """The stored qparams by name (empty for a dynamic point)."""
-        return {n: self._buffers[n] for n in self._qparam_buffer_names()}
+        return {n: self._state(n) for n in self._qparam_buffer_names()}
 
     def _check_stored_shape(self, input_shape) -> None:
         """Stored state (qparams, running range) has one shape, fixed by the
         first observation; an input that needs another is an error."""
         shape = reduced_shape(input_shape, self.qspec.range_granularity.block_size(input_shape))
         for name in self._qparam_buffer_names() + ("min_val", "max_val"):
-            buf = self._buffers.get(name)
+            buf = self._state(name)
             if buf is not None and buf.numel() > 0 and tuple(buf.shape) != tuple(shape):
                 raise ValueError(
                     f"FakeQuantize({self.qspec}): this input (shape {tuple(input_shape)}) gives "
@@ -195,8 +218,16 @@ class FakeQuantize(FakeQuantizeBase):
                 )
 
     def _store(self, name: str, value: torch.Tensor) -> None:
-        current = self._buffers[name]
-        if current.numel() == 0:  # first observation: the shape is known now
+        current = self._state(name)
+        if name in self._parameters:
+            # The observer sets a learnable qparam (no graph): the Parameter
+            # object stays, so optimizers that hold it see the new value.
+            with torch.no_grad():
+                if current.numel() == 0:
+                    current.data = value.to(current.dtype)
+                else:
+                    current.copy_(value)
+        elif current.numel() == 0:  # first observation: the shape is known now
             setattr(self, name, value.to(current.dtype))
         else:
             current.copy_(value)  # in place: same storage for compile, DDP and optimizers
@@ -205,6 +236,8 @@ class FakeQuantize(FakeQuantizeBase):
 
     def _fake_quantize(self, x: torch.Tensor, qparams: dict) -> torch.Tensor:
         block_size = self.qspec.granularity.block_size(x.shape)
+        if self._learned and not self._frozen:
+            return self._kind.fake_quantize_learnable(self.qspec, x, block_size, qparams)
         return self._kind.fake_quantize(self.qspec, x, block_size, qparams)
 
     def _range_and_qparams(self, x: torch.Tensor, running, sync_group=None):
@@ -303,6 +336,10 @@ class FakeQuantize(FakeQuantizeBase):
             check_finite(model)
         if "nonfinite" in self._buffers:  # once, at convert: the report still shows it after
             self._nonfinite_at_convert = int(self.nonfinite)
+        # Learned qparams become buffers as the op applied them, in a static
+        # point's dtypes, so the converted point is a static one in every respect.
+        for name in self._learned:
+            self.register_buffer(name, self._kind.frozen_learned(self.qspec, name, self._parameters.pop(name)))
         self._frozen = True
         self._observer_on = False
         for name in _PREPARE_ONLY_BUFFERS:
@@ -318,6 +355,10 @@ class FakeQuantize(FakeQuantizeBase):
             saved = state_dict.get(prefix + name)
             if saved is not None and saved.shape != buf.shape and 0 in (saved.numel(), buf.numel()):
                 self._buffers[name] = torch.empty(saved.shape, dtype=buf.dtype, device=buf.device)
+        for name, param in self._parameters.items():  # learnable qparams: the same, keeping the Parameter
+            saved = state_dict.get(prefix + name)
+            if saved is not None and saved.shape != param.shape and 0 in (saved.numel(), param.numel()):
+                param.data = torch.empty(saved.shape, dtype=param.dtype, device=param.device)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
         # The Python flags follow the loaded switches (reading them here, at
@@ -380,7 +421,7 @@ def check_finite(model: torch.nn.Module) -> None:
         if not isinstance(m, FakeQuantize):
             continue
         names = m._qparam_buffer_names() + ("min_val", "max_val")
-        bad = [e for n in names if n in m._buffers for e in [nonfinite_entry(n, m._buffers[n])] if e]
+        bad = [e for n in names if m._state(n) is not None for e in [nonfinite_entry(n, m._state(n))] if e]
         if bad:
             found.append(f"{path}{where(path)} has {', '.join(bad)}")
     if found:

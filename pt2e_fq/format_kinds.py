@@ -30,6 +30,7 @@ from . import ops
 from .formats import ELEMENTS, FloatFormat, Format, IntFormat
 from .granularity import Granularity, PerGroup, PerTensor
 from .qparams import (
+    INT_SCALE_EPS,
     asymmetric_qparams,
     float_scale,
     int_range_limit,
@@ -91,10 +92,19 @@ class FormatKind:
 
     name: str = ""
     op_name: str = ""
+    # The kind's op with learnable qparams, if it has one: same arguments
+    # (and grad_factor), same y, y alone.
+    learnable_op_name: str = ""
 
     @property
     def op(self):
         return getattr(torch.ops.pt2e_fq, self.op_name).default
+
+    @property
+    def ops(self) -> tuple:
+        """Every op whose calls this kind decodes: its op, and its learnable op."""
+        names = (self.op_name,) + ((self.learnable_op_name,) if self.learnable_op_name else ())
+        return tuple(getattr(torch.ops.pt2e_fq, n).default for n in names)
 
     def applies_to(self, fmt: Format) -> bool:
         raise NotImplementedError
@@ -162,6 +172,7 @@ def _float_symmetric_only(spec) -> None:
 
 class _Integer(FormatKind):
     name, op_name = "integer", "fake_quantize_affine"
+    learnable_op_name = "fake_quantize_affine_learnable"
 
     def applies_to(self, fmt):
         return isinstance(fmt, IntFormat)
@@ -195,6 +206,54 @@ class _Integer(FormatKind):
         return ops.fake_quantize_affine(
             x, block_size, qparams["scale"], qparams.get("zero_point"), qmin, qmax, minval=qparams.get("minval")
         )
+
+    def learnable_names(self, spec) -> tuple[str, ...]:
+        """The qparams a learnable point trains: the scale, and the offset
+        where the scheme has one (LSQ+): minval (MINVAL) or a floating zero
+        point (ASYMMETRIC ZP). A symmetric zero point stays 0."""
+        if spec.formulation is Formulation.MINVAL:
+            return ("scale", "minval")
+        return ("scale", "zero_point") if spec.scheme is Scheme.ASYMMETRIC else ("scale",)
+
+    def frozen_learned(self, spec, name: str, value: torch.Tensor) -> torch.Tensor:
+        """A learned qparam as the learnable op applies it, in a static
+        point's dtype: the scale floored at fp32 eps (fake_quantize_learnable),
+        the zero point rounded half to even after clamping, as int32."""
+        value = value.detach()
+        if name == "scale":
+            return value.clamp_min(INT_SCALE_EPS)
+        if name == "zero_point":
+            return self.frozen_learned_zero_point(value, *self.quant_range(spec))
+        return value.clone()
+
+    def fake_quantize_learnable(self, spec, x, block_size, qparams):
+        """The learnable op on trainable qparams. The scale goes in floored
+        at fp32 eps, straight through: an optimizer step that drives it to
+        0 or below gives the op a valid scale, and its gradient still
+        reaches the parameter, so the next steps can bring it back."""
+        qmin, qmax = self.quant_range(spec)
+        scale = qparams["scale"]
+        scale = scale + (scale.clamp_min(INT_SCALE_EPS) - scale).detach()
+        return ops.fake_quantize_affine_learnable(
+            x, block_size, scale, qparams.get("zero_point"), qmin, qmax, spec.grad_factor, minval=qparams.get("minval")
+        )
+
+    def static_outputs(self, call: OpCall) -> tuple:
+        """(y, packed mask) of a learnable op's call (which returns y alone):
+        the static op's on the qparams as the learnable op applies them,
+        the same y bit for bit."""
+        zero_point = call.zero_point
+        if zero_point is not None and zero_point.dtype.is_floating_point:
+            zero_point = self.frozen_learned_zero_point(zero_point, call.quant_min, call.quant_max)
+        detached = lambda t: None if t is None else t.detach()  # noqa: E731
+        return self.op(call.x, list(call.block_size), call.scale.detach(), zero_point, call.quant_min,
+                       call.quant_max, detached(call.minval))
+
+    @staticmethod
+    def frozen_learned_zero_point(zero_point: torch.Tensor, quant_min: int, quant_max: int) -> torch.Tensor:
+        """A floating zero point as the learnable op uses it: rounded half to
+        even after clamping, as int32."""
+        return zero_point.detach().clamp(quant_min, quant_max).round().to(torch.int32)
 
     def decode(self, op, values):
         qmin, qmax = values["quant_min"], values["quant_max"]

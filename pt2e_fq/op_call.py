@@ -19,14 +19,15 @@ from .format_kinds import KINDS, FormatKind, OpCall
 
 def _kind(op) -> Optional[FormatKind]:
     for kind in KINDS:
-        if kind.op == op:
+        if op in kind.ops:
             return kind
     return None
 
 
 def fake_quant_ops() -> tuple:
-    """The OpOverloads of the fused fake-quant ops, one per format kind."""
-    return tuple(kind.op for kind in KINDS)
+    """The OpOverloads of the fused fake-quant ops: each format kind's, and
+    its learnable op where it has one."""
+    return tuple(op for kind in KINDS for op in kind.ops)
 
 
 def decode(op, args: tuple, kwargs: Optional[Mapping[str, Any]] = None) -> OpCall:

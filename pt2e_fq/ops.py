@@ -10,6 +10,7 @@ only tensor the autograd node saves.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import warnings
@@ -37,8 +38,11 @@ def _check_x(op: str, x: torch.Tensor) -> None:
         raise TypeError(f"{op}: x must be float32, bfloat16 or float16, got {x.dtype}")
 
 
-def _check_affine_args(x, block_size, scale, zero_point, quant_min, quant_max, minval) -> None:
-    op = "pt2e_fq.fake_quantize_affine"
+def _check_affine_args(
+    x, block_size, scale, zero_point, quant_min, quant_max, minval,
+    op="pt2e_fq.fake_quantize_affine", float_zero_point=False,
+) -> None:
+    """float_zero_point: the learnable op also takes a floating zero point."""
     _check_x(op, x)
     check_block_size(op, x, block_size)
     for name, v in (("quant_min", quant_min), ("quant_max", quant_max)):
@@ -59,8 +63,12 @@ def _check_affine_args(x, block_size, scale, zero_point, quant_min, quant_max, m
                 f"{op}: give zero_point (ZP formulation) or minval (MINVAL formulation), not both"
             )
         check_qparam(op, "zero_point", zero_point, x, expected)
-        if zero_point.dtype.is_floating_point or zero_point.dtype.is_complex or zero_point.dtype == torch.bool:
-            raise TypeError(f"{op}: zero_point must have an integer dtype, got {zero_point.dtype}")
+        floating_ok = float_zero_point and zero_point.dtype.is_floating_point
+        if not floating_ok and (
+            zero_point.dtype.is_floating_point or zero_point.dtype.is_complex or zero_point.dtype == torch.bool
+        ):
+            allowed = "an integer or floating dtype" if float_zero_point else "an integer dtype"
+            raise TypeError(f"{op}: zero_point must have {allowed}, got {zero_point.dtype}")
     if minval is not None:
         check_qparam(op, "minval", minval, x, expected)
         if not minval.dtype.is_floating_point:
@@ -149,6 +157,79 @@ def unpack_mask(mask: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     return flat.bool().reshape(tuple(shape))
 
 
+_LEARNABLE_OP = "pt2e_fq.fake_quantize_affine_learnable"
+
+
+def lsq_grad_factor(block_numel: int, quant_max: int) -> float:
+    """The LSQ paper's gradient scale of a block's qparams,
+    1 / sqrt(block_numel * quant_max) (Esser et al. 2020, section 2.2): it
+    keeps the step size's update in proportion to its value whatever the
+    block's size and bit width."""
+    if not isinstance(block_numel, int) or block_numel < 1:
+        raise ValueError(f"lsq_grad_factor: block_numel must be an int >= 1, got {block_numel!r}")
+    if not isinstance(quant_max, int) or quant_max < 1:
+        raise ValueError(
+            f"lsq_grad_factor: quant_max must be an int >= 1 (the positive levels of the range), got {quant_max!r}; "
+            "pass grad_factor explicitly for a range without positive levels"
+        )
+    return 1.0 / math.sqrt(block_numel * quant_max)
+
+
+def block_numel(shape: Sequence[int], block_size: Sequence[int]) -> int:
+    """Elements in a full block of x (the first one; a ragged last block
+    has fewer)."""
+    n = 1
+    for s, b in zip(shape, block_size):
+        n *= max(1, min(int(s), int(b)))
+    return n
+
+
+def _check_learnable_args(x, block_size, scale, zero_point, quant_min, quant_max, grad_factor, minval) -> None:
+    _check_affine_args(x, block_size, scale, zero_point, quant_min, quant_max, minval, _LEARNABLE_OP, True)
+    if not isinstance(grad_factor, (int, float)) or isinstance(grad_factor, bool):
+        raise TypeError(f"{_LEARNABLE_OP}: grad_factor must be a float, got {type(grad_factor).__name__}")
+    if not (math.isfinite(grad_factor) and grad_factor > 0):
+        raise ValueError(f"{_LEARNABLE_OP}: grad_factor must be finite and > 0, got {grad_factor}")
+
+
+def fake_quantize_affine_learnable(
+    x: torch.Tensor,
+    block_size: Sequence[int],
+    scale: torch.Tensor,
+    zero_point: Optional[torch.Tensor],
+    quant_min: int,
+    quant_max: int,
+    grad_factor: Optional[float] = None,
+    *,
+    minval: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """`fake_quantize_affine` with learnable ranges (LSQ / LSQ+) in one fused
+    op: y is the same bits, and the backward gives, besides the
+    straight-through dx, per block (rounding taken straight through):
+
+        d scale  = grad_factor * sum(dy * (round(v) - v))        inside the range,
+                                  + sum(dy * (q_limit - offset)) outside it
+        d minval = grad_factor * sum(dy outside the range)        (MINVAL, LSQ+)
+        d zero_point = -grad_factor * scale * sum(dy outside)      (a floating zero point)
+
+    with v = (x - minval) / scale, q_limit the clamp limit that q passed and
+    offset the integer offset (zero point, or quant_min for MINVAL). A
+    floating zero_point is used as round_half_even(clamp(zero_point,
+    quant_min, quant_max)); an integer one gets no gradient. grad_factor
+    defaults to 1 / sqrt(block_numel * quant_max) (`lsq_grad_factor`) with
+    block_numel the elements of a full block. The sums are fp32 in an
+    order fixed by the sizes (the same bits for any thread count). NaN in x
+    gives a NaN d scale for its block.
+    """
+    if grad_factor is None:
+        grad_factor = lsq_grad_factor(block_numel(x.shape, block_size), quant_max)
+    if not torch.compiler.is_compiling():  # see "Checks under tracing" above
+        _check_learnable_args(x, block_size, scale, zero_point, quant_min, quant_max, grad_factor, minval)
+    return torch.ops.pt2e_fq.fake_quantize_affine_learnable(
+        x, list(block_size), scale, zero_point, quant_min, quant_max, float(grad_factor), minval
+    )
+
+
 # ---------------------------------------------------------------------------
 # Fake implementations (shape propagation for torch.export / torch.compile)
 
@@ -163,6 +244,26 @@ def _empty_outputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _fake_quantize_affine_fake(x, block_size, scale, zero_point, quant_min, quant_max, minval=None):
     _check_affine_args(x, block_size, scale, zero_point, quant_min, quant_max, minval)
     return _empty_outputs(x)
+
+
+@torch.library.register_fake("pt2e_fq::fake_quantize_affine_learnable")
+def _fake_quantize_affine_learnable_fake(x, block_size, scale, zero_point, quant_min, quant_max, grad_factor,
+                                         minval=None):
+    _check_learnable_args(x, block_size, scale, zero_point, quant_min, quant_max, grad_factor, minval)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("pt2e_fq::fake_quantize_affine_learnable_backward")
+def _fake_quantize_affine_learnable_backward_fake(grad, x, block_size, scale, zero_point, quant_min, quant_max,
+                                                  grad_factor, minval=None):
+    _check_learnable_args(x, block_size, scale, zero_point, quant_min, quant_max, grad_factor, minval)
+    if grad.shape != x.shape or grad.dtype != x.dtype:
+        raise ValueError(
+            f"{_LEARNABLE_OP}_backward: grad must have x's shape {tuple(x.shape)} and dtype {x.dtype}, "
+            f"got {tuple(grad.shape)} {grad.dtype}"
+        )
+    per_block = x.new_empty(reduced_shape(x.shape, block_size), dtype=torch.float32)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), per_block, torch.empty_like(per_block)
 
 
 @torch.library.register_fake("pt2e_fq::ste_grad")
@@ -182,8 +283,8 @@ def _ste_grad_fake(grad, mask):
 
 _QPARAM_GRAD_WARNING = (
     "{op}: {what} has requires_grad=True but gets no gradient: the op differentiates "
-    "x only (straight through the clamp mask); learnable ranges (LSQ) are not supported, "
-    "so pass {what}.detach() to silence this"
+    "x only (straight through the clamp mask); for learnable ranges (LSQ / LSQ+) use "
+    "pt2e_fq.ops.fake_quantize_affine_learnable, else pass {what}.detach() to silence this"
 )
 _warned_qparam_grad = False
 # Frames in these folders are ours or torch's dispatch: the warning points
@@ -276,24 +377,25 @@ def register_ste_autograd(op_name: str, mask_index=1, qparams=()) -> None:
     def autograd_kernel(keyset, *args):
         if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
             _warn_qparam_grad(public_name, args, qparams)  # only here: a qparam can require grad
-            return _single_level_apply(op, mask_index, *args)
+            return _single_level_apply(_SteFunction, op, mask_index, *args)
         if _forward_ad_active():
-            return _single_level_apply(op, mask_index, *args)
+            return _single_level_apply(_SteFunction, op, mask_index, *args)
         with torch._C._AutoDispatchBelowAutograd():
             return op.redispatch(keyset & below, *args)
 
     _LIB.impl(op_name.split("::")[1], autograd_kernel, "Autograd", with_keyset=True)
 
 
-def _single_level_apply(*args):
-    """Applies _SteFunction from inside the Autograd kernel. Under torch.func
+def _single_level_apply(function, op, *args):
+    """Applies `function` (an autograd.Function whose forward takes the op
+    first) from inside the op's Autograd kernel. Under torch.func
     the kernel is reached within the current transform level's dispatch,
     where Function.apply would dispatch torch.func's custom_function_call,
     which has no kernel at this key; so the Function is applied at this one
     level, as torch.func itself applies a Function per level."""
-    apply = super(torch.autograd.Function, _SteFunction).apply
+    apply = super(torch.autograd.Function, function).apply
     if not torch._C._are_functorch_transforms_active():
-        return apply(*args)
+        return apply(op, *args)
     from torch._C._functorch import TransformType
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
     from torch._functorch.utils import enable_single_level_autograd_function
@@ -304,12 +406,12 @@ def _single_level_apply(*args):
     derivative_levels = (TransformType.Grad, TransformType.Jvp)
     if sum(i.key() in derivative_levels for i in retrieve_all_functorch_interpreters()) > 1:
         raise NotImplementedError(
-            f"{args[0].name().replace('::', '.')}: nested torch.func derivative transforms "
+            f"{op.name().replace('::', '.')}: nested torch.func derivative transforms "
             "(hessian, jacfwd(jacrev(f)), grad(grad(f))) are not supported; take second "
             "derivatives with torch.autograd.grad(..., create_graph=True)"
         )
     with enable_single_level_autograd_function():
-        return apply(*args)
+        return apply(op, *args)
 
 
 def _forward_ad_active() -> bool:
@@ -328,6 +430,53 @@ register_ste_autograd(
 # derivative is the same select: this makes the STE twice differentiable, as
 # ATen's fake-quant backward is (d/dx sum(d(y^2)/dx) = 2 * mask).
 register_ste_autograd("pt2e_fq::ste_grad", mask_index=None)
+
+
+class _LearnableFunction(torch.autograd.Function):
+    """fake_quantize_affine_learnable with its LSQ / LSQ+ backward (one
+    kernel: dx, d scale, d offset). It saves x by reference (no copy, x's
+    own dtype) and the qparams; the backward kernel recomputes the clamp
+    mask from them, bit for bit the forward's. Reverse mode only."""
+
+    @staticmethod
+    def forward(op, x, block_size, scale, zero_point, quant_min, quant_max, grad_factor, minval=None):
+        return op(x, block_size, scale, zero_point, quant_min, quant_max, grad_factor, minval)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, x, block_size, scale, zero_point, quant_min, quant_max, grad_factor, *rest = inputs
+        ctx.save_for_backward(x, scale, zero_point, rest[0] if rest else None)
+        ctx.constants = (block_size, quant_min, quant_max, grad_factor)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, scale, zero_point, minval = ctx.saved_tensors
+        block_size, quant_min, quant_max, grad_factor = ctx.constants
+        dx, dscale, doffset = torch.ops.pt2e_fq.fake_quantize_affine_learnable_backward(
+            dy.contiguous(), x, block_size, scale, zero_point, quant_min, quant_max, grad_factor, minval
+        )
+        # Per-block gradients in each qparam's own shape (size-1 dimensions
+        # may be left out) and dtype; an integer zero point gets none.
+        def like(g, t, wanted):
+            return g.reshape(t.shape).to(t.dtype) if wanted and t.dtype.is_floating_point else None
+
+        needs = ctx.needs_input_grad
+        d_zero_point = like(doffset, zero_point, needs[4]) if zero_point is not None else None
+        d_minval = like(doffset, minval, needs[8]) if minval is not None else None
+        return None, dx, None, like(dscale, scale, needs[3]), d_zero_point, None, None, None, d_minval
+
+
+def _learnable_autograd(keyset, *args):
+    op = torch.ops.pt2e_fq.fake_quantize_affine_learnable.default
+    if (torch.is_grad_enabled() and torch._C._any_requires_grad(*args)) or _forward_ad_active():
+        # (Forward mode reaches the Function too, which says it has no jvp,
+        # rather than dropping a tangent without a word.)
+        return _single_level_apply(_LearnableFunction, op, *args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+
+
+_LIB.impl("fake_quantize_affine_learnable", _learnable_autograd, "Autograd", with_keyset=True)
 
 
 # ---------------------------------------------------------------------------

@@ -9,6 +9,7 @@ nodes with) lives next to FakeQuantize, which it constructs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -46,6 +47,14 @@ class QSpec:
     observer: how the range is found; None picks MinMaxObserver() for a
         static point and CurrentMinMaxObserver() for a dynamic one.
     dynamic: qparams from the live tensor at every call (no stored state).
+    learnable: learned ranges (LSQ / LSQ+; integer formats, static points):
+        the observer sets the qparams while it is on, as for a static
+        point; they are nn.Parameters that the optimizer trains when it is
+        off (scale; a floating zero point under ASYMMETRIC ZP; minval under
+        MINVAL). convert freezes them into buffers.
+    grad_factor: the learnable qparams' gradient scale; None: LSQ's
+        1 / sqrt(block_numel * quant_max), block_numel the elements of a
+        full block of the input.
     """
 
     format: Format = INT8
@@ -54,6 +63,8 @@ class QSpec:
     formulation: Union[Formulation, str] = Formulation.ZP
     observer: Optional[Observer] = None
     dynamic: bool = False
+    learnable: bool = False
+    grad_factor: Optional[float] = None
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -71,6 +82,30 @@ class QSpec:
             raise TypeError(f"QSpec: observer must be None or an instance of {names}, got {self.observer!r}")
         self.kind.check(self)
         self._check_observer_rules()
+        self._check_learnable_rules()
+
+    def _check_learnable_rules(self) -> None:
+        if not isinstance(self.learnable, bool):
+            raise TypeError(f"QSpec: learnable must be a bool, got {self.learnable!r}")
+        if self.grad_factor is not None:
+            if not self.learnable:
+                raise ValueError("QSpec: grad_factor applies to learnable ranges only; set learnable=True or drop it")
+            g = self.grad_factor
+            if not isinstance(g, (int, float)) or isinstance(g, bool) or not (math.isfinite(g) and g > 0):
+                raise ValueError(f"QSpec: grad_factor must be a finite float > 0 (or None for LSQ's), got {g!r}")
+        if not self.learnable:
+            return
+        if not isinstance(self.format, IntFormat):
+            raise ValueError(
+                f"QSpec: learnable ranges need an integer format (LSQ / LSQ+ learn an affine grid), got {self.format.name}"
+            )
+        if self.dynamic:
+            raise ValueError("QSpec: a dynamic point computes its qparams from every input; learnable needs a static one")
+        if self.grad_factor is None and self.quant_range[1] < 1:
+            raise ValueError(
+                f"QSpec: LSQ's default grad_factor 1 / sqrt(block_numel * quant_max) needs quant_max >= 1, got "
+                f"{self.quant_range[1]}; give grad_factor"
+            )
 
     def _check_observer_rules(self) -> None:
         obs = self.observer
@@ -116,4 +151,6 @@ class QSpec:
         if self.formulation is Formulation.MINVAL:
             parts.append("minval")
         parts.append("dynamic" if self.dynamic else type(self.observer_or_default).__name__)
+        if self.learnable:
+            parts.append("learnable" + ("" if self.grad_factor is None else f"(grad_factor={self.grad_factor:g})"))
         return " ".join(parts)

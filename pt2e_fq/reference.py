@@ -154,3 +154,61 @@ def fake_quantize_nvfp4(x: torch.Tensor, global_scale: Optional[torch.Tensor] = 
         block_scale.squeeze(-1).movedim(-1, axis),
         g,
     )
+
+
+# ---------------------------------------------------------------------------
+# Learnable ranges (LSQ, Esser et al. 2020; LSQ+, Bhalgat et al. 2020).
+
+
+def fake_quantize_affine_learnable_grads(
+    x: torch.Tensor,
+    block_size: Sequence[int],
+    scale: torch.Tensor,
+    zero_point: Optional[torch.Tensor],
+    quant_min: int,
+    quant_max: int,
+    grad_factor: float,
+    dy: torch.Tensor,
+    minval: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, d scale, d offset) in float64: torch autograd through the LSQ /
+    LSQ+ forward with round taken straight through, as the papers write it
+    (`round_pass`), the clamp's own derivative (1 inside [quant_min,
+    quant_max], limits included, 0 outside), and the per-block gradients
+    times grad_factor. d offset is minval's (MINVAL) or the zero point's
+    (ZP, the zero point rounded half to even after clamping, straight
+    through); scale and offset have the reduced shape.
+
+    Which integer each element rounds to is decided in fp32, as the forward
+    computes it (the `fake_quantize_affine` reference's q), so the two agree
+    on every rounding decision; everything else is float64.
+    """
+    shape, f64 = x.shape, torch.float64
+    expand = lambda t: expand_blocks(t, shape, block_size)  # noqa: E731
+    x64 = x.detach().to(f64).requires_grad_()
+    s = scale.detach().to(f64).requires_grad_()
+    offset = minval if minval is not None else zero_point
+    off = None if offset is None else offset.detach().to(f64).requires_grad_()
+    s32 = expand(scale.float())
+    if minval is not None:
+        int_off, float_off = torch.full(shape, float(quant_min), dtype=f64), expand(off)
+        float_off32 = expand(minval.float())
+    else:
+        float_off, float_off32 = torch.zeros(shape, dtype=f64), torch.zeros_like(s32)
+        int_off = torch.zeros(shape, dtype=f64)
+        if off is not None:  # round(clamp(zero_point)), straight through
+            rounded = zero_point.float().clamp(quant_min, quant_max).round().to(f64)
+            int_off = expand(off + (rounded - off).detach())
+    # Which integer each element rounds to: the fp32 forward's decision.
+    r32 = torch.round((x.float() - float_off32) / s32).to(f64)
+    # Round straight through where x is finite; NaN stays NaN and +-Inf
+    # saturates with no derivative (v is computed from a finite stand-in, or
+    # its infinite derivative would turn the zeros around it into NaN).
+    finite = torch.isfinite(x64.detach())
+    v = (torch.where(finite, x64, 0.0) - float_off) / expand(s)
+    r = torch.where(finite, v + (r32 - v).detach(), r32)
+    y = (torch.clamp(r + int_off, quant_min, quant_max) - int_off) * expand(s) + float_off
+    leaves = [x64, s] + ([off] if off is not None else [])
+    grads = torch.autograd.grad(y, leaves, dy.to(f64))
+    doff = grads[2] * grad_factor if off is not None else torch.zeros_like(grads[1])
+    return grads[0], grads[1] * grad_factor, doff

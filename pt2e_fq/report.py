@@ -232,8 +232,10 @@ class Report:
                    scale=None, zero_point=None, minval=None, clipped=None, sqnr_db=None, nonfinite=nonfinite)
         if call is not None:
             func, op_args, out = call
-            x, y, packed = x.detach(), out[0], out[1]
             op_call = decode(func, op_args)
+            if isinstance(out, torch.Tensor):  # a learnable op: y alone; its mask is the static op's
+                out = op_call.kind.static_outputs(op_call)
+            x, y, packed = x.detach(), out[0].detach(), out[1]
             qparam_bytes = sum(_bytes(t, b) for t, b in op_call.stored_qparams(out))
             row.update(scale=_range(op_call.applied_scale(out)), zero_point=_range(op_call.zero_point),
                        minval=_range(op_call.minval))

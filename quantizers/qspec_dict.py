@@ -1,7 +1,8 @@
 """A QSpec as a plain dict (for YAML and JSON config files) and back.
 
     {"format": "int4", "granularity": {"type": "per_group", "group_size": 32, "axis": 1},
-     "scheme": "asymmetric", "formulation": "minval", "observer": "current_min_max", "dynamic": false}
+     "scheme": "asymmetric", "formulation": "minval", "observer": "current_min_max", "dynamic": false,
+     "learnable": false, "grad_factor": null}
 
 A granularity or observer without arguments may be written as its bare name.
 `qspec_to_dict` writes every field, so a dict read back gives an equal QSpec
@@ -43,7 +44,7 @@ OBSERVER_NAMES = {
     "mse": MSEObserver,
     "current_min_max": CurrentMinMaxObserver,
 }
-QSPEC_KEYS = ("format", "granularity", "scheme", "formulation", "observer", "dynamic")
+QSPEC_KEYS = ("format", "granularity", "scheme", "formulation", "observer", "dynamic", "learnable", "grad_factor")
 _INT_FORMAT = re.compile(r"(u?)int(\d+)")
 
 
@@ -126,6 +127,8 @@ def qspec_to_dict(spec: QSpec) -> dict:
         "formulation": spec.formulation.value,
         "observer": None if spec.observer is None else _named_dataclass_to(spec.observer, OBSERVER_NAMES),
         "dynamic": spec.dynamic,
+        "learnable": spec.learnable,
+        "grad_factor": spec.grad_factor,
     }
 
 
@@ -141,7 +144,7 @@ def qspec_from_dict(where: str, d) -> QSpec:
                                                       GRANULARITY_NAMES)
     if d.get("observer") is not None:
         kwargs["observer"] = _named_dataclass_from(f"{where}.observer", "observer", d["observer"], OBSERVER_NAMES)
-    for key in ("scheme", "formulation", "dynamic"):
+    for key in ("scheme", "formulation", "dynamic", "learnable", "grad_factor"):
         if key in d:
             kwargs[key] = d[key]
     try:

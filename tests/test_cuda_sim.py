@@ -33,6 +33,7 @@ from kernel_cases import (
 
 from conftest import FLOAT_DTYPES, affine_cases, assert_bits_equal, make_case
 from pt2e_fq import ops, reference
+from pt2e_fq.blocks import reduce_blocks
 
 ROOT = Path(__file__).resolve().parent.parent
 SIM = ROOT / "tests" / "cuda_sim"
@@ -175,6 +176,51 @@ def test_affine_kernel_equals_cpu_on_random_cases(driver, c):
         case, expected = affine_forward(Path(tmp), c.x.contiguous(), c.block_size, c.scale, c.zero_point, c.minval,
                                         c.quant_min, c.quant_max, "aligned")
         assert_forward_and_backward(driver, Path(tmp), case, expected, "aligned")
+
+
+def learnable_backward(driver, root, x, block, scale, zero_point, minval, qmin, qmax, placement, seed=0):
+    """The learnable op's backward in the harness and on the CPU: dx is the
+    same bits; d scale and d offset are fp32 sums in another fixed order
+    (per block, slices of a warp each), so they agree to fp32 rounding."""
+    # No NaN in dy: one would make its whole block's sums NaN.
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(x.numel() + seed)).to(x.dtype)
+    expected = torch.ops.pt2e_fq.fake_quantize_affine_learnable_backward(
+        dy, x, block, scale, zero_point, qmin, qmax, 0.125, minval)
+    case = Case(root, "lsq", "lsq", x, placement, block=",".join(map(str, block)), qmin=qmin, qmax=qmax,
+                zp=int(zero_point is not None), minval=int(minval is not None), grad_factor=0.125)
+    case.put("dy.bin", dy)
+    case.put("scale.bin", scale.float())
+    if zero_point is not None:  # as the binding passes it: fp32, a float one rounded after clamping
+        case.put("zp.bin", zero_point.float().clamp(qmin, qmax).round())
+    if minval is not None:
+        case.put("minval.bin", minval.float())
+    simulate(driver, case)
+    dx, dscale, doffset = expected
+    assert_bits_equal(case.output("dx.bin", x.dtype, x.shape), dx)
+    bound = reduce_blocks(dy.abs().double(), block, torch.sum, 0.0) * (qmax - qmin + 1) * 0.125 * 1e-4
+    for name, want in (("dscale", dscale), ("doffset", doffset)):
+        got = case.output(f"{name}.bin", torch.float32, want.shape)
+        assert torch.equal(got.isnan(), want.isnan()), f"{name}: NaN blocks differ"
+        ok = got.isnan() | ((got.double() - want.double()).abs() <= bound.reshape(want.shape))
+        assert ok.all(), f"{name}: {(~ok).sum()} blocks differ beyond fp32 rounding"
+
+
+@pytest.mark.parametrize("variant,dtype,placement", param_grid(AFFINE_VARIANTS, FLOAT_DTYPES, PLACEMENTS))
+def test_learnable_backward_kernel_equals_cpu(driver, tmp_path, variant, dtype, placement):
+    _, shape, block, zp, (qmin, qmax) = variant
+    c = make_case(shape, block, dtype, (qmin, qmax), zp=zp, seed=len(shape))
+    x, qparams = with_specials(c.x, seed=3), (c.scale, c.zero_point, c.minval)
+    if placement == "empty":
+        x, qparams = x[:0], tuple(None if t is None else t[:0] for t in qparams)
+    learnable_backward(driver, tmp_path, x.contiguous(), list(block), *qparams, qmin, qmax, placement)
+
+
+@settings(max_examples=25, deadline=None)
+@given(affine_cases(max_numel=4000))
+def test_learnable_backward_kernel_equals_cpu_on_random_cases(driver, c):
+    with tempfile.TemporaryDirectory() as tmp:
+        learnable_backward(driver, Path(tmp), c.x.contiguous(), c.block_size, c.scale, c.zero_point, c.minval,
+                           c.quant_min, c.quant_max, "aligned")
 
 
 @pytest.mark.parametrize(

@@ -99,6 +99,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-deploy", action="store_true",
                       help="leave out the Inductor and ExecuTorch rows (their compilation takes most of a minute)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bars")
+    demo.add_argument("--learned-ranges", action="store_true",
+                      help="also QAT with w4a8, w3a8, w2a8 weights, fixed ranges against learned ones (LSQ)")
 
     quantize = commands.add_parser("quantize", parents=[common], help="quantize a model of yours and print the per-layer report")
     quantize.add_argument("--model", required=True, metavar="MODULE:FACTORY",
@@ -378,7 +380,7 @@ def cmd_demo(args) -> int:
     from . import demo
 
     demo.run(args.out, float_epochs=args.float_epochs, qat_epochs=args.qat_epochs, threads=args.threads,
-             progress=not args.no_progress, deploy=not args.no_deploy)
+             progress=not args.no_progress, deploy=not args.no_deploy, learned_ranges=args.learned_ranges)
     return 0
 
 

@@ -33,6 +33,7 @@ from tabulate import tabulate
 from . import digits, pipeline
 from ..export import check_onnx, compile_x86, ort_session, run_pte, save, to_executorch, to_onnx, to_qdq
 from ..export.executorch import require_executorch
+from ..fake_quantize import FakeQuantize
 from ..files import write_bytes, write_text
 from ..report import report
 from .step_time import step_times
@@ -59,6 +60,9 @@ class Row:
 class DemoResult:
     rows: list[Row] = field(default_factory=list)
     seconds: float = 0.0
+    # (config, accuracy with fixed weight ranges, with learned ones); empty
+    # unless run with learned_ranges=True.
+    learned_ranges: list[tuple[str, float, float]] = field(default_factory=list)
 
     def table(self) -> str:
         float_ms = self.rows[0].step_ms
@@ -197,21 +201,83 @@ def run(
     threads: int = 1,
     progress: bool = True,
     deploy: bool = True,
+    learned_ranges: bool = False,
     log=print,
 ) -> DemoResult:
     """Runs the demo with `threads` torch threads (the CNN is tiny: one
     thread is about as fast as several, and on a busy machine several
     OpenMP threads mostly wait for each other), writes its files under `out`
-    and returns the table's rows."""
+    and returns the table's rows. learned_ranges: also QAT with w4a8, w3a8
+    and w2a8 weights, fixed ranges against learned ones (LSQ), a second
+    table (`learned_ranges.md`, and `DemoResult.learned_ranges`)."""
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _run(Path(out), float_epochs, qat_epochs, calibration_batches, seed, progress, deploy, log)
+        return _run(Path(out), float_epochs, qat_epochs, calibration_batches, seed, progress, deploy, learned_ranges,
+                    log)
     finally:
         torch.set_num_threads(previous_threads)
 
 
-def _run(out: Path, float_epochs, qat_epochs, calibration_batches, seed, progress, deploy, log) -> DemoResult:
+LEARNED_RANGE_BITS = (4, 3, 2)
+
+
+def low_bit_config(bits: int, learnable: bool):
+    """w{bits}a8: symmetric weights with one range per output channel, as
+    LSQ learns them (the w4a8 preset's groups of 32 input channels give the
+    first conv, which has one input channel, a range per weight: nothing
+    left to learn), int8 asymmetric activations; the weights' ranges fixed
+    (current min / max) or learned (LSQ)."""
+    from quantizers import OpConfig, QuantizerConfig
+
+    from .. import CurrentMinMaxObserver, INT8, IntFormat, PerChannel, PerTensor, QSpec
+
+    weight = QSpec(IntFormat(bits, True), PerChannel(0), "symmetric", observer=CurrentMinMaxObserver(),
+                   learnable=learnable)
+    activation = QSpec(INT8, PerTensor(), "asymmetric")
+    return QuantizerConfig(OpConfig(input_activation=activation, weight=weight, output_activation=activation))
+
+
+def compare_learned_ranges(model, float_state, data, example, *, qat_epochs, calibration_batches, seed,
+                           progress) -> list[tuple[str, float, float]]:
+    """(config, accuracy with fixed weight ranges, with learned ones) for
+    w4a8, w3a8, w2a8. Both start from the float weights and observe the same
+    calibration batches; then the fixed ranges keep following the weights
+    (current min / max) while the learned ones train with everything else
+    (same optimizer, same steps)."""
+    rows = []
+    for bits in LEARNED_RANGE_BITS:
+        accuracies = []
+        for learnable in (False, True):
+            model.load_state_dict(float_state)
+            qat = pipeline.prepare(model, example, low_bit_config(bits, learnable), qat=True)
+            pipeline.calibrate(qat, [x for x, _ in data.batches("train", BATCH, seed=seed)][:calibration_batches],
+                               progress=progress)
+            for m in qat.modules():  # the learned ranges start training: the optimizer owns them now
+                if isinstance(m, FakeQuantize) and m.qspec.learnable:
+                    m.disable_observer()
+            torch.manual_seed(seed)
+            # The demo's QAT optimizer for both; the learned qparams are two
+            # more parameters to it (measured: a separate, smaller rate for
+            # them changed nothing beyond one or two test images).
+            optimizer = torch.optim.Adam([p for p in qat.parameters() if p.requires_grad], lr=5e-4)
+            pipeline.train(qat, _epoch_batches(data, seed + 1000), F.cross_entropy, optimizer, epochs=qat_epochs,
+                           desc=f"QAT w{bits}a8 {'learned' if learnable else 'fixed'}", progress=progress)
+            pipeline.freeze_qat(qat, data.x_train[:256])
+            accuracies.append(digits.accuracy(pipeline.convert(qat), data.x_test, data.y_test))
+        rows.append((f"w{bits}a8", *accuracies))
+    return rows
+
+
+def learned_ranges_table(rows) -> str:
+    body = [[name, f"{100 * fixed:.1f}%", f"{100 * learned:.1f}%", f"{100 * (learned - fixed):+.1f}"]
+            for name, fixed, learned in rows]
+    return tabulate(body, headers=["QAT weights", "fixed ranges (min/max)", "learned ranges (LSQ)",
+                                   "learned - fixed, points"], disable_numparse=True)
+
+
+def _run(out: Path, float_epochs, qat_epochs, calibration_batches, seed, progress, deploy, learned_ranges,
+         log) -> DemoResult:
     start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     result = DemoResult()
@@ -272,6 +338,14 @@ def _run(out: Path, float_epochs, qat_epochs, calibration_batches, seed, progres
         float_model.load_state_dict(float_state)
         result.rows += _deploy_rows(out, {"float": float_model.eval(), "PTQ w8a8": ptq, "QAT w4a8": qat}, data,
                                     example, log)
+
+    if learned_ranges:
+        result.learned_ranges = compare_learned_ranges(
+            model, float_state, data, example, qat_epochs=qat_epochs, calibration_batches=calibration_batches,
+            seed=seed, progress=progress)
+        table = learned_ranges_table(result.learned_ranges)
+        write_text(out / "learned_ranges.md", table + "\n")
+        log(table)
 
     result.seconds = time.perf_counter() - start
     write_text(out / "results.json", json.dumps(

@@ -350,6 +350,9 @@ def freeze_qat(prepared: torch.nn.Module, batch) -> torch.nn.Module:
     statistics, then every observer off."""
     move_to_eval(prepared)
     prepared.apply(tao.enable_observer)
+    for m in prepared.modules():  # a learned range is kept as trained
+        if isinstance(m, FakeQuantize) and m.qspec.learnable:
+            m.disable_observer()
     with torch.no_grad():
         prepared(*as_args(batch))
     prepared.apply(tao.disable_observer)

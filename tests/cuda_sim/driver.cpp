@@ -164,6 +164,36 @@ void run_case(const Case& c) {
     return;
   }
 
+  if (op == "lsq") {  // the learnable op's backward: dx, d scale, d offset
+    const std::vector<int64_t> block = c.list("block");
+    BlockLayout layout;
+    if (!make_block_layout(shape.data(), block.data(), ndim, layout)) die(c.dir + ": block layout");
+    int64_t nblocks = 1;
+    for (int d = 0; d < layout.ndim; ++d) nblocks *= (layout.size[d] + layout.block[d] - 1) / layout.block[d];
+    const size_t qbytes = static_cast<size_t>(numel > 0 ? nblocks : 0) * 4;
+    const bool has_zp = c.num("zp") != 0, has_minval = c.num("minval") != 0;
+    Buffer x(data_bytes, offset), dy(data_bytes, offset), dx(data_bytes, offset);
+    Buffer scale(qbytes), zp(has_zp ? qbytes : 0), minval(has_minval ? qbytes : 0);
+    Buffer dscale(qbytes), doffset(qbytes);
+    Buffer scratch(static_cast<size_t>(cuda::learnable_backward_scratch_floats(layout)) * 4);
+    load(x, c.path("x.bin"));
+    load(dy, c.path("dy.bin"));
+    load(scale, c.path("scale.bin"));
+    if (has_zp) load(zp, c.path("zp.bin"));
+    if (has_minval) load(minval, c.path("minval.bin"));
+    const AffineQparams q = make_affine_qparams(scale.as<float>(), has_zp ? zp.as<float>() : nullptr,
+                                                has_minval ? minval.as<float>() : nullptr, c.num("qmin"),
+                                                c.num("qmax"));
+    check(cuda::launch_fake_quantize_affine_learnable_backward(
+              type, x.data, dy.data, dx.data, numel, q, layout, has_minval,
+              static_cast<float>(std::stod(c.get("grad_factor"))), scratch.as<float>(),
+              dscale.as<float>(), doffset.as<float>(), nullptr), c);
+    save(dx.data, data_bytes, c.path("dx.bin"));
+    save(dscale.data, qbytes, c.path("dscale.bin"));
+    save(doffset.data, qbytes, c.path("doffset.bin"));
+    return;
+  }
+
   Buffer x(data_bytes, offset, sparse), y(data_bytes, offset, sparse), mask(mask_word_bytes, 0, sparse);
   load(x, c.path("x.bin"), tail_bytes);
   if (op == "affine" || op == "float") {

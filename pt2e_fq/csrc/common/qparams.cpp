@@ -1,5 +1,6 @@
 #include "qparams.h"
 
+#include <cmath>
 #include <limits>
 #include <string>
 #include <vector>
@@ -63,23 +64,22 @@ BlockLayout check_x_and_block_size(const char* op, const at::Tensor& x,
 AffineInputs prepare_affine_inputs(const at::Tensor& x, at::IntArrayRef block_size,
                                    const at::Tensor& scale,
                                    const c10::optional<at::Tensor>& zero_point, int64_t quant_min,
-                                   int64_t quant_max, const c10::optional<at::Tensor>& minval) {
-  const BlockLayout L = check_x_and_block_size("pt2e_fq.fake_quantize_affine", x, block_size);
+                                   int64_t quant_max, const c10::optional<at::Tensor>& minval,
+                                   const char* op, bool float_zero_point) {
+  const BlockLayout L = check_x_and_block_size(op, x, block_size);
   TORCH_CHECK_VALUE(quant_min <= quant_max && quant_min >= kInt16Min && quant_max <= kInt16Max,
-                    "pt2e_fq.fake_quantize_affine: need ", kInt16Min,
-                    " <= quant_min <= quant_max <= ", kInt16Max, ", got quant_min=", quant_min,
-                    " quant_max=", quant_max);
-  TORCH_CHECK_VALUE(!(zero_point.has_value() && minval.has_value()),
-                    "pt2e_fq.fake_quantize_affine: give zero_point (ZP formulation) or minval "
-                    "(MINVAL formulation), not both");
-  if (zero_point.has_value()) {
-    TORCH_CHECK_TYPE(!at::isFloatingType(zero_point->scalar_type()) &&
-                         !at::isComplexType(zero_point->scalar_type()) &&
+                    op, ": need ", kInt16Min, " <= quant_min <= quant_max <= ", kInt16Max,
+                    ", got quant_min=", quant_min, " quant_max=", quant_max);
+  TORCH_CHECK_VALUE(!(zero_point.has_value() && minval.has_value()), op,
+                    ": give zero_point (ZP formulation) or minval (MINVAL formulation), not both");
+  const bool zp_is_float = zero_point.has_value() && at::isFloatingType(zero_point->scalar_type());
+  if (zero_point.has_value() && !(float_zero_point && zp_is_float)) {
+    TORCH_CHECK_TYPE(!zp_is_float && !at::isComplexType(zero_point->scalar_type()) &&
                          zero_point->scalar_type() != at::kBool,
-                     "pt2e_fq.fake_quantize_affine: zero_point must have an integer dtype, got ",
-                     zero_point->scalar_type());
+                     op, ": zero_point must have ",
+                     float_zero_point ? "an integer or floating dtype" : "an integer dtype",
+                     ", got ", zero_point->scalar_type());
   }
-  constexpr const char* op = "pt2e_fq.fake_quantize_affine";
   const std::vector<int64_t> expected = reduced_shape(x.sizes(), block_size);
   AffineInputs in;
   in.x = x.contiguous();
@@ -88,9 +88,33 @@ AffineInputs prepare_affine_inputs(const at::Tensor& x, at::IntArrayRef block_si
   if (zero_point) {
     in.zero_point = qparam_as_float(x, *zero_point, "zero_point", expected, op,
                                     "ceil(x.shape / block_size)", /*floating=*/false);
+    if (zp_is_float) {
+      in.zero_point = at::round(in.zero_point.clamp(static_cast<double>(quant_min),
+                                                    static_cast<double>(quant_max)));
+    }
   }
   if (minval) in.minval = qparam_as_float(x, *minval, "minval", expected, op);
   return in;
+}
+
+void check_grad_factor(const char* op, double grad_factor) {
+  TORCH_CHECK_VALUE(std::isfinite(grad_factor) && grad_factor > 0.0, op,
+                    ": grad_factor must be finite and > 0, got ", grad_factor);
+}
+
+void check_learnable_grad(const char* op, const at::Tensor& grad, const at::Tensor& x) {
+  TORCH_CHECK_VALUE(grad.sizes() == x.sizes(), op, ": grad must have x's shape ",
+                    shape_str(x.sizes()), ", got ", shape_str(grad.sizes()));
+  TORCH_CHECK_TYPE(grad.scalar_type() == x.scalar_type(), op, ": grad must have x's dtype ",
+                   x.scalar_type(), ", got ", grad.scalar_type());
+  TORCH_CHECK(grad.device() == x.device(), op, ": grad is on ", grad.device(), " but x is on ",
+              x.device());
+}
+
+int64_t num_blocks(const BlockLayout& L) {
+  int64_t n = 1;
+  for (int d = 0; d < L.ndim; ++d) n *= (L.size[d] + L.block[d] - 1) / L.block[d];
+  return n;
 }
 
 AffineQparams affine_qparams(const AffineInputs& in, int64_t quant_min, int64_t quant_max) {

@@ -30,11 +30,27 @@ struct AffineInputs {
 };
 
 // Checks shapes and dtypes (never values: that would need a host sync on
-// CUDA) and prepares the inputs.
+// CUDA) and prepares the inputs. `op` names the operator in messages.
+// float_zero_point: the learnable op also takes a floating zero point (LSQ+
+// learns it); the kernels get round_half_even(clamp(zero_point, quant_min,
+// quant_max)), computed on the device, so its forward is the static op's
+// with that integer zero point.
 AffineInputs prepare_affine_inputs(const at::Tensor& x, at::IntArrayRef block_size,
                                    const at::Tensor& scale,
                                    const c10::optional<at::Tensor>& zero_point, int64_t quant_min,
-                                   int64_t quant_max, const c10::optional<at::Tensor>& minval);
+                                   int64_t quant_max, const c10::optional<at::Tensor>& minval,
+                                   const char* op = "pt2e_fq.fake_quantize_affine",
+                                   bool float_zero_point = false);
+
+// Checks the learnable op's grad_factor (a host double: no sync).
+void check_grad_factor(const char* op, double grad_factor);
+
+// Checks the incoming gradient of the learnable op's backward: x's shape,
+// dtype and device.
+void check_learnable_grad(const char* op, const at::Tensor& grad, const at::Tensor& x);
+
+// The number of qparam blocks of a canonical layout, prod ceil(size / block).
+int64_t num_blocks(const BlockLayout& L);
 
 // Kernel view of the prepared qparams (pointers into `in`, which must outlive it).
 AffineQparams affine_qparams(const AffineInputs& in, int64_t quant_min, int64_t quant_max);

@@ -21,6 +21,22 @@ TORCH_LIBRARY(pt2e_fq, m) {
   // Straight-through estimator: grad where the packed mask bit is set, else 0.
   m.def("ste_grad(Tensor grad, Tensor mask) -> Tensor");
 
+  // Learnable ranges (LSQ / LSQ+). Forward: y of fake_quantize_affine, bit
+  // for bit (zero_point may also be floating: it is rounded half to even
+  // after clamping to [quant_min, quant_max]). The backward op recomputes
+  // the mask from x and returns (dx, d scale, d offset), the last two fp32
+  // of shape ceil(x.shape / block_size), summed per block in a fixed order
+  // and times grad_factor; d offset is minval's derivative when minval is
+  // given, else a floating zero point's.
+  m.def(
+      "fake_quantize_affine_learnable(Tensor x, SymInt[] block_size, Tensor scale, "
+      "Tensor? zero_point, int quant_min, int quant_max, float grad_factor, "
+      "Tensor? minval=None) -> Tensor");
+  m.def(
+      "fake_quantize_affine_learnable_backward(Tensor grad, Tensor x, SymInt[] block_size, "
+      "Tensor scale, Tensor? zero_point, int quant_min, int quant_max, float grad_factor, "
+      "Tensor? minval=None) -> (Tensor, Tensor, Tensor)");
+
   // The float-format ops (FP8, FP4, MX, NVFP4). Element formats are named by
   // strings ("e4m3", "e5m2", "e2m1") rather than ScalarType:
   // torch.export.save cannot serialize torch.float4_e2m1fn_x2.

@@ -2,6 +2,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "affine_cpu.h"
 #include "cpu_loops.h"
 #include "pt2e_fq/affine.h"
 #include "pt2e_fq/block_layout.h"
@@ -46,43 +47,36 @@ void affine_chunk(const T* x, T* y, uint8_t* flags, int64_t begin, int64_t end,
   });
 }
 
-// Value checks are cheap on the host, so the CPU path makes them; the CUDA
-// path cannot without a host sync (see README, "Bad qparams on CUDA").
+}  // namespace
+
 // The zero point is checked on its fp32 copy (exact for any value in an int16
 // range, and out of range whenever the integer is), but the message reads the
-// caller's integer: fp32 would round a large one.
-void check_qparam_values(const at::Tensor& scale, const at::Tensor& zp_float,
-                         const c10::optional<at::Tensor>& zero_point, const at::Tensor& minval,
-                         int64_t quant_min, int64_t quant_max) {
-  check_scale_values("pt2e_fq.fake_quantize_affine", "scale", scale);
-  if (zp_float.defined()) {
-    const float* z = zp_float.data_ptr<float>();
-    for (int64_t b = 0; b < zp_float.numel(); ++b) {
+// caller's value: fp32 would round a large integer.
+void check_qparam_values(const char* op, const AffineInputs& in,
+                         const c10::optional<at::Tensor>& zero_point, int64_t quant_min,
+                         int64_t quant_max) {
+  check_scale_values(op, "scale", in.scale);
+  if (in.zero_point.defined()) {
+    const float* z = in.zero_point.data_ptr<float>();
+    for (int64_t b = 0; b < in.zero_point.numel(); ++b) {
       // The message (and its item()) is evaluated only when the check fails.
-      TORCH_CHECK_VALUE(z[b] >= quant_min && z[b] <= quant_max,
-                        "pt2e_fq.fake_quantize_affine: zero_point must lie in [quant_min, "
-                        "quant_max] = [",
-                        quant_min, ", ", quant_max, "], got zero_point[", b, "] (flat index) = ",
-                        zero_point->reshape(-1)[b].item<int64_t>());
+      TORCH_CHECK_VALUE(z[b] >= quant_min && z[b] <= quant_max, op,
+                        ": zero_point must lie in [quant_min, quant_max] = [", quant_min, ", ",
+                        quant_max, "], got zero_point[", b, "] (flat index) = ",
+                        zero_point->reshape(-1)[b].item());
     }
   }
-  if (minval.defined()) {
-    const float* m = minval.data_ptr<float>();
-    for (int64_t b = 0; b < minval.numel(); ++b) {
-      TORCH_CHECK_VALUE(std::isfinite(m[b]),
-                        "pt2e_fq.fake_quantize_affine: minval must be finite, got minval[", b,
+  if (in.minval.defined()) {
+    const float* m = in.minval.data_ptr<float>();
+    for (int64_t b = 0; b < in.minval.numel(); ++b) {
+      TORCH_CHECK_VALUE(std::isfinite(m[b]), op, ": minval must be finite, got minval[", b,
                         "] (flat index) = ", m[b]);
     }
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> fake_quantize_affine_cpu(
-    const at::Tensor& x_in, at::IntArrayRef block_size, const at::Tensor& scale_in,
-    const c10::optional<at::Tensor>& zero_point, int64_t quant_min, int64_t quant_max,
-    const c10::optional<at::Tensor>& minval) {
-  const AffineInputs in = prepare_affine_inputs(x_in, block_size, scale_in, zero_point,
-                                                quant_min, quant_max, minval);
-  check_qparam_values(in.scale, in.zero_point, zero_point, in.minval, quant_min, quant_max);
+std::tuple<at::Tensor, at::Tensor> affine_forward(const AffineInputs& in, int64_t quant_min,
+                                                  int64_t quant_max) {
   const at::Tensor& x = in.x;
   at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
   at::Tensor mask = new_packed_mask(x);
@@ -94,6 +88,18 @@ std::tuple<at::Tensor, at::Tensor> fake_quantize_affine_cpu(
     affine_chunk(xp, yp, flags, begin, end, in.layout, qp);
   });
   return {y, mask};
+}
+
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> fake_quantize_affine_cpu(
+    const at::Tensor& x, at::IntArrayRef block_size, const at::Tensor& scale,
+    const c10::optional<at::Tensor>& zero_point, int64_t quant_min, int64_t quant_max,
+    const c10::optional<at::Tensor>& minval) {
+  const AffineInputs in = prepare_affine_inputs(x, block_size, scale, zero_point, quant_min,
+                                                quant_max, minval);
+  check_qparam_values("pt2e_fq.fake_quantize_affine", in, zero_point, quant_min, quant_max);
+  return affine_forward(in, quant_min, quant_max);
 }
 
 }  // namespace

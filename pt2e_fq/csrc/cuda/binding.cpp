@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include <type_traits>
+#include <vector>
 
 #include "float_args.h"
 #include "float_dtype.h"
@@ -28,15 +29,11 @@ ElemType elem_type(at::ScalarType dtype) {
   return type;
 }
 
-// Qparam values are not checked here: that would need a host sync. Invalid
-// values give NaN or saturated outputs; see README, "Bad qparams on CUDA".
-std::tuple<at::Tensor, at::Tensor> fake_quantize_affine_cuda(
-    const at::Tensor& x_in, at::IntArrayRef block_size, const at::Tensor& scale,
-    const c10::optional<at::Tensor>& zero_point, int64_t quant_min, int64_t quant_max,
-    const c10::optional<at::Tensor>& minval) {
-  const c10::cuda::CUDAGuard guard(x_in.device());
-  const AffineInputs in = prepare_affine_inputs(x_in, block_size, scale, zero_point, quant_min,
-                                                quant_max, minval);
+// (y, packed mask) of prepared inputs. Qparam values are not checked here:
+// that would need a host sync. Invalid values give NaN or saturated outputs;
+// see README, "Bad qparams on CUDA".
+std::tuple<at::Tensor, at::Tensor> affine_forward(const AffineInputs& in, int64_t quant_min,
+                                                  int64_t quant_max) {
   at::Tensor y = at::empty_like(in.x, at::MemoryFormat::Contiguous);
   at::Tensor mask = new_packed_mask(in.x);
   const AffineQparams q = affine_qparams(in, quant_min, quant_max);
@@ -45,6 +42,58 @@ std::tuple<at::Tensor, at::Tensor> fake_quantize_affine_cuda(
       reinterpret_cast<uint32_t*>(mask.data_ptr<uint8_t>()), in.x.numel(), q, in.layout,
       c10::cuda::getCurrentCUDAStream().stream()));
   return {y, mask};
+}
+
+std::tuple<at::Tensor, at::Tensor> fake_quantize_affine_cuda(
+    const at::Tensor& x_in, at::IntArrayRef block_size, const at::Tensor& scale,
+    const c10::optional<at::Tensor>& zero_point, int64_t quant_min, int64_t quant_max,
+    const c10::optional<at::Tensor>& minval) {
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const AffineInputs in = prepare_affine_inputs(x_in, block_size, scale, zero_point, quant_min,
+                                                quant_max, minval);
+  return affine_forward(in, quant_min, quant_max);
+}
+
+constexpr const char* kLearnableOp = "pt2e_fq.fake_quantize_affine_learnable";
+constexpr const char* kLearnableBackwardOp = "pt2e_fq.fake_quantize_affine_learnable_backward";
+
+at::Tensor fake_quantize_affine_learnable_cuda(const at::Tensor& x_in, at::IntArrayRef block_size,
+                                               const at::Tensor& scale,
+                                               const c10::optional<at::Tensor>& zero_point,
+                                               int64_t quant_min, int64_t quant_max,
+                                               double grad_factor,
+                                               const c10::optional<at::Tensor>& minval) {
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  check_grad_factor(kLearnableOp, grad_factor);
+  const AffineInputs in = prepare_affine_inputs(x_in, block_size, scale, zero_point, quant_min,
+                                                quant_max, minval, kLearnableOp,
+                                                /*float_zero_point=*/true);
+  return std::get<0>(affine_forward(in, quant_min, quant_max));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fake_quantize_affine_learnable_backward_cuda(
+    const at::Tensor& grad_in, const at::Tensor& x_in, at::IntArrayRef block_size,
+    const at::Tensor& scale, const c10::optional<at::Tensor>& zero_point, int64_t quant_min,
+    int64_t quant_max, double grad_factor, const c10::optional<at::Tensor>& minval) {
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  check_grad_factor(kLearnableBackwardOp, grad_factor);
+  const AffineInputs in = prepare_affine_inputs(x_in, block_size, scale, zero_point, quant_min,
+                                                quant_max, minval, kLearnableBackwardOp,
+                                                /*float_zero_point=*/true);
+  check_learnable_grad(kLearnableBackwardOp, grad_in, x_in);
+  const at::Tensor grad = grad_in.contiguous();
+  const auto f32 = in.x.options().dtype(at::kFloat);
+  const std::vector<int64_t> qshape = reduced_shape(in.x.sizes(), block_size);
+  at::Tensor dx = at::empty_like(in.x, at::MemoryFormat::Contiguous);
+  at::Tensor dscale = at::zeros(qshape, f32);
+  at::Tensor doffset = at::zeros(qshape, f32);
+  at::Tensor scratch = at::empty({learnable_backward_scratch_floats(in.layout)}, f32);
+  C10_CUDA_CHECK(launch_fake_quantize_affine_learnable_backward(
+      elem_type(in.x.scalar_type()), in.x.data_ptr(), grad.data_ptr(), dx.data_ptr(),
+      in.x.numel(), affine_qparams(in, quant_min, quant_max), in.layout, in.minval.defined(),
+      static_cast<float>(grad_factor), scratch.data_ptr<float>(), dscale.data_ptr<float>(),
+      doffset.data_ptr<float>(), c10::cuda::getCurrentCUDAStream().stream()));
+  return {dx, dscale, doffset};
 }
 
 at::Tensor ste_grad_cuda(const at::Tensor& grad_in, const at::Tensor& mask_in) {
@@ -129,6 +178,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fake_quantize_nvfp4_c
 TORCH_LIBRARY_IMPL(pt2e_fq, CUDA, m) {
   m.impl("fake_quantize_affine", &fake_quantize_affine_cuda);
   m.impl("ste_grad", &ste_grad_cuda);
+  m.impl("fake_quantize_affine_learnable", &fake_quantize_affine_learnable_cuda);
+  m.impl("fake_quantize_affine_learnable_backward", &fake_quantize_affine_learnable_backward_cuda);
   m.impl("fake_quantize_float", &fake_quantize_float_cuda);
   m.impl("fake_quantize_mx", &fake_quantize_mx_cuda);
   m.impl("fake_quantize_nvfp4", &fake_quantize_nvfp4_cuda);

@@ -26,6 +26,17 @@ cudaError_t launch_fake_quantize_affine(ElemType type, const void* x, void* y,
 cudaError_t launch_ste_grad(ElemType type, const void* dy, const uint8_t* mask, void* dx,
                             int64_t numel, cudaStream_t stream);
 
+// The backward of the learnable affine op (LSQ / LSQ+): dx, and per block
+// of `layout` (fp32, scale's layout) d scale and d offset (minval's when
+// minval_offset, else a zero point's), times grad_factor, summed in an order
+// fixed by the sizes. `scratch` holds learnable_backward_scratch_floats(layout)
+// floats of device memory.
+int64_t learnable_backward_scratch_floats(const BlockLayout& layout);
+cudaError_t launch_fake_quantize_affine_learnable_backward(
+    ElemType type, const void* x, const void* dy, void* dx, int64_t numel,
+    const AffineQparams& qparams, const BlockLayout& layout, bool minval_offset,
+    float grad_factor, float* scratch, float* dscale, float* doffset, cudaStream_t stream);
+
 // y = fake_quantize_float(x) with fp32 `scale` per block of `layout`; mask
 // as for the affine op.
 cudaError_t launch_fake_quantize_float(ElemType type, ElemFormat format, const void* x, void* y,

@@ -47,4 +47,26 @@ PT2E_FQ_HD float fake_quantize_affine_one(float x, float scale, float ioff, floa
   return add_rn(mul_rn(sub_rn(clamp_keep_nan(q, qmin, qmax), ioff), scale), foff);
 }
 
+// LSQ / LSQ+ derivatives of one element (learnable ranges), round taken
+// straight through. With v = (x - foff) / scale, r = round(v), q = r + ioff
+// (bit for bit the forward's q, so the mask is the forward's mask):
+//   dx      = in_range ? dy : 0            (a select: NaN dy outside gives 0)
+//   dscale  = dy * (r - v)                 inside the range (LSQ)
+//           = dy * (clamp(q) - ioff)       outside (the clamp limit's level)
+//   outside = in_range ? 0 : dy            the offsets' derivative comes from
+//             this alone: y moves by d(foff) and by -scale * d(ioff) there,
+//             and not at all inside (STE), so the caller scales its per-block
+//             sum by 1 (minval, LSQ+) or -scale (a float zero point).
+// NaN x gives dx 0 and a NaN dscale (the NaN reaches its block's gradient).
+PT2E_FQ_HD float lsq_grads_one(float x, float dy, float scale, float ioff, float foff,
+                               float qmin, float qmax, float& dscale, float& outside) {
+  const float v = div_rn(sub_rn(x, foff), scale);
+  const float r = round_half_even(v);
+  const float q = add_rn(r, ioff);
+  const bool in_range = (q >= qmin) & (q <= qmax);
+  dscale = mul_rn(dy, in_range ? sub_rn(r, v) : sub_rn(clamp_keep_nan(q, qmin, qmax), ioff));
+  outside = in_range ? 0.0f : dy;
+  return in_range ? dy : 0.0f;
+}
+
 }  // namespace pt2e_fq
