@@ -347,7 +347,8 @@ def freeze_qat(prepared: torch.nn.Module, batch) -> torch.nn.Module:
     """Ends QAT: eval mode (move_to_eval: batch norms use their running
     statistics, train-only randomness is removed), one forward of `batch`
     with the observers on, so the weight qparams of a conv-bn see the final
-    statistics, then every observer off."""
+    statistics, then every observer off. A learnable point's observer stays
+    off: its range is the trained one."""
     move_to_eval(prepared)
     prepared.apply(tao.enable_observer)
     for m in prepared.modules():  # a learned range is kept as trained
