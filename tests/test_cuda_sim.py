@@ -158,14 +158,21 @@ def affine_forward(root, x, block, scale, zero_point, minval, qmin, qmax, placem
     return case, expected
 
 
-@pytest.mark.parametrize("variant,dtype,placement", param_grid(AFFINE_VARIANTS, FLOAT_DTYPES, PLACEMENTS))
-def test_affine_kernel_equals_cpu(driver, tmp_path, variant, dtype, placement):
-    _, shape, block, zp, (qmin, qmax) = variant
-    c = make_case(shape, block, dtype, (qmin, qmax), zp=zp, seed=len(shape))
+def _affine_inputs(variant, dtype, placement):
+    """x (with NaN / Inf / ties), block, (scale, zero point, minval) and the
+    range of an affine variant; all empty for the "empty" placement."""
+    _, shape, block, zp, qrange = variant
+    c = make_case(shape, block, dtype, qrange, zp=zp, seed=len(shape))
     x, qparams = with_specials(c.x, seed=3), (c.scale, c.zero_point, c.minval)
     if placement == "empty":
         x, qparams = x[:0], tuple(None if t is None else t[:0] for t in qparams)
-    case, expected = affine_forward(tmp_path, x, list(block), *qparams, qmin, qmax, placement)
+    return x, list(block), qparams, qrange
+
+
+@pytest.mark.parametrize("variant,dtype,placement", param_grid(AFFINE_VARIANTS, FLOAT_DTYPES, PLACEMENTS))
+def test_affine_kernel_equals_cpu(driver, tmp_path, variant, dtype, placement):
+    x, block, qparams, (qmin, qmax) = _affine_inputs(variant, dtype, placement)
+    case, expected = affine_forward(tmp_path, x, block, *qparams, qmin, qmax, placement)
     assert_forward_and_backward(driver, tmp_path, case, expected, placement)
 
 
@@ -207,12 +214,8 @@ def learnable_backward(driver, root, x, block, scale, zero_point, minval, qmin, 
 
 @pytest.mark.parametrize("variant,dtype,placement", param_grid(AFFINE_VARIANTS, FLOAT_DTYPES, PLACEMENTS))
 def test_learnable_backward_kernel_equals_cpu(driver, tmp_path, variant, dtype, placement):
-    _, shape, block, zp, (qmin, qmax) = variant
-    c = make_case(shape, block, dtype, (qmin, qmax), zp=zp, seed=len(shape))
-    x, qparams = with_specials(c.x, seed=3), (c.scale, c.zero_point, c.minval)
-    if placement == "empty":
-        x, qparams = x[:0], tuple(None if t is None else t[:0] for t in qparams)
-    learnable_backward(driver, tmp_path, x.contiguous(), list(block), *qparams, qmin, qmax, placement)
+    x, block, qparams, (qmin, qmax) = _affine_inputs(variant, dtype, placement)
+    learnable_backward(driver, tmp_path, x.contiguous(), block, *qparams, qmin, qmax, placement)
 
 
 @settings(max_examples=25, deadline=None)
