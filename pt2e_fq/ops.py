@@ -3,9 +3,9 @@
 Each public function validates its arguments (shapes and dtypes only: reading
 values would sync the host with the device) and calls one `torch.ops.pt2e_fq`
 operator, so torch.export and torch.compile see exactly one node. This module
-also registers the operators' fake (meta) implementations and their autograd
-formula: a straight-through estimator through the bit-packed clamp mask, the
-only tensor the autograd node saves.
+also registers the operators' fake (meta) implementations and the learnable
+op's autograd; the straight-through ops' autograd (dx through the bit-packed
+clamp mask, the only tensor the node saves) is C++ (csrc/common/ste_autograd.cpp).
 """
 
 from __future__ import annotations
@@ -272,14 +272,10 @@ def _ste_grad_fake(grad, mask):
 
 
 # ---------------------------------------------------------------------------
-# Autograd: a straight-through estimator through the packed mask.
-#
-# Each op gets its own Autograd kernel, an autograd.Function in the
-# setup_context style with a `jvp`: reverse mode (backward, torch.func.grad /
-# jacrev) and forward mode (torch.autograd.forward_ad, torch.func.jvp /
-# jacfwd) both give the straight-through derivative `mask ? t : 0`.
-# (torch.library.register_autograd has neither forward mode nor the
-# setup_context its generated Function needs under torch.func.)
+# Autograd. The straight-through ops (fake_quantize_affine, _float, _mx,
+# _nvfp4 and ste_grad) have their Autograd kernel in C++
+# (csrc/common/ste_autograd.cpp): reverse and forward mode with no Python on
+# the call. It calls back here only to warn about a qparam that requires grad.
 
 _QPARAM_GRAD_WARNING = (
     "{op}: {what} has requires_grad=True but gets no gradient: the op differentiates "
@@ -302,88 +298,18 @@ def _user_stacklevel() -> int:
     return level
 
 
-def _warn_qparam_grad(op, args, qparam_positions) -> None:
-    """Warns once per process when a qparam argument requires grad (called
-    while grad mode is on)."""
+def _warn_qparam_grad(op: str, name: str) -> None:
+    """Warns, once per process, that the qparam argument `name` of `op`
+    ("pt2e_fq::fake_quantize_affine") requires grad but gets none; the C++
+    Autograd kernel calls it while grad mode is on."""
     global _warned_qparam_grad
     if _warned_qparam_grad:
         return
-    for i, name in qparam_positions:
-        t = args[i] if i < len(args) else None
-        if isinstance(t, torch.Tensor) and t.requires_grad:
-            _warned_qparam_grad = True
-            warnings.warn(
-                _QPARAM_GRAD_WARNING.format(op=op, what=name), UserWarning, stacklevel=_user_stacklevel()
-            )
-            return
-
-
-def _ste(t, mask):
-    """dx (or the tangent of y) = mask ? t : 0; None passes through."""
-    return None if t is None else torch.ops.pt2e_fq.ste_grad(t.contiguous(), mask)
-
-
-class _SteFunction(torch.autograd.Function):
-    """op(x, *rest) -> (y, packed mask, *extras) (or y alone for ste_grad,
-    whose mask is an input) with the STE derivative with respect to x (or
-    grad, for ste_grad); the other inputs get none, the extras (block scales)
-    are statistics of x, marked non-differentiable."""
-
-    @staticmethod
-    def forward(op, mask_index, *args):
-        # autograd.Function turns reverse and forward mode off in here, so
-        # the op's Autograd kernel goes straight to the CPU / CUDA kernel.
-        return op(*args)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        op, mask_index, *args = inputs
-        ctx.num_args = len(args)
-        ctx.num_outputs = None if mask_index is None else len(output)
-        if mask_index is None:  # ste_grad: the mask is an input
-            mask = args[1]
-        else:
-            mask = output[mask_index]
-            ctx.set_materialize_grads(False)
-            ctx.mark_non_differentiable(*output[mask_index:])
-        ctx.save_for_backward(mask)
-        ctx.save_for_forward(mask)
-
-    @staticmethod
-    def backward(ctx, grad_y, *grad_others):
-        (mask,) = ctx.saved_tensors
-        return (None, None, _ste(grad_y, mask)) + (None,) * (ctx.num_args - 1)
-
-    @staticmethod
-    def jvp(ctx, op_t, mask_index_t, x_t, *other_t):
-        (mask,) = ctx.saved_tensors
-        y_t = _ste(x_t, mask)
-        if ctx.num_outputs is None:
-            return y_t
-        return (y_t,) + (None,) * (ctx.num_outputs - 1)
-
-
-def register_ste_autograd(op_name: str, mask_index=1, qparams=()) -> None:
-    """Registers the STE derivative of an op whose first input is x and whose
-    outputs are (y, packed mask, *extra) with non-differentiable extras (block
-    scales), as the op's Autograd kernel. `mask_index=None` says the op
-    returns y alone and takes the mask as its second input (ste_grad).
-    `qparams`: (position, name) of tensor inputs that get no gradient, for the
-    warning when one requires grad."""
-    op = getattr(torch.ops.pt2e_fq, op_name.split("::")[1]).default
-    below = torch._C._after_autograd_keyset
-    public_name = op_name.replace("::", ".")
-
-    def autograd_kernel(keyset, *args):
-        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
-            _warn_qparam_grad(public_name, args, qparams)  # only here: a qparam can require grad
-            return _single_level_apply(_SteFunction, op, mask_index, *args)
-        if _forward_ad_active():
-            return _single_level_apply(_SteFunction, op, mask_index, *args)
-        with torch._C._AutoDispatchBelowAutograd():
-            return op.redispatch(keyset & below, *args)
-
-    _LIB.impl(op_name.split("::")[1], autograd_kernel, "Autograd", with_keyset=True)
+    _warned_qparam_grad = True
+    warnings.warn(
+        _QPARAM_GRAD_WARNING.format(op=op.replace("::", "."), what=name), UserWarning,
+        stacklevel=_user_stacklevel(),
+    )
 
 
 def _single_level_apply(function, op, *args):
@@ -422,14 +348,6 @@ def _forward_ad_active() -> bool:
 
 
 _LIB = torch.library.Library("pt2e_fq", "IMPL")
-
-register_ste_autograd(
-    "pt2e_fq::fake_quantize_affine", qparams=((2, "scale"), (3, "zero_point"), (6, "minval"))
-)
-# ste_grad is linear in its gradient (a select by the mask), so its own
-# derivative is the same select: this makes the STE twice differentiable, as
-# ATen's fake-quant backward is (d/dx sum(d(y^2)/dx) = 2 * mask).
-register_ste_autograd("pt2e_fq::ste_grad", mask_index=None)
 
 
 class _LearnableFunction(torch.autograd.Function):
@@ -650,7 +568,3 @@ def _fake_quantize_nvfp4_fake(x, global_scale, axis):
     scales = x.new_empty(_block_scale_shape(x, NVFP4_BLOCK, axis), dtype=torch.float32)
     return _empty_outputs(x) + (scales, x.new_empty((), dtype=torch.float32))
 
-
-register_ste_autograd("pt2e_fq::fake_quantize_float", qparams=((2, "scale"),))
-register_ste_autograd("pt2e_fq::fake_quantize_mx")
-register_ste_autograd("pt2e_fq::fake_quantize_nvfp4", qparams=((1, "global_scale"),))

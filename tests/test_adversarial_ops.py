@@ -72,17 +72,21 @@ def test_forward_ad_of_the_float_formats(kind):
     assert torch.equal(tangent, torch.where(mask, t, torch.zeros_like(t)))
 
 
-def test_nested_func_transforms_refuse_rather_than_return_zeros():
-    # A second derivative taken by torch.func would come out 0 (the Function
-    # records at one level); the op refuses, and autograd.grad nests fine.
+def test_nested_derivatives_are_the_straight_through_ones():
+    # d/dx of loss = sum(fq(x)^2) is 2 * fq(x) * mask; its derivative again
+    # is 2 * mask on the diagonal: by autograd.grad with create_graph and by
+    # every nesting of torch.func transforms (the op's Autograd kernel runs
+    # at every level, as ATen's do).
     loss = lambda v: fq(v).square().sum()  # noqa: E731
-    for nested in (torch.func.hessian(loss), torch.func.grad(lambda v: torch.func.grad(loss)(v).sum())):
-        with pytest.raises(NotImplementedError, match="pt2e_fq.fake_quantize_affine: nested torch.func"):
-            nested(X)
+    twice_mask = 2 * ref_mask().float()
     x = X.clone().requires_grad_()
     (g,) = torch.autograd.grad(loss(x), x, create_graph=True)
     (gg,) = torch.autograd.grad(g.sum(), x)
-    assert torch.equal(gg, 2 * ref_mask().float())
+    assert torch.equal(gg, twice_mask)
+    assert torch.equal(torch.func.grad(lambda v: torch.func.grad(loss)(v).sum())(X), twice_mask)
+    hessian = torch.diag(twice_mask.flatten())
+    assert torch.equal(torch.func.hessian(loss)(X).reshape(32, 32), hessian)
+    assert torch.equal(torch.func.jacfwd(torch.func.jacrev(loss))(X).reshape(32, 32), hessian)
 
 
 # --- item 18: torch.func.grad / vjp work; qparams that require grad warn
