@@ -25,10 +25,43 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT16_MIN, _INT16_MAX = -(2**15), 2**15 - 1
 
 
-# Checks under tracing: under torch.compile and torch.export the wrappers leave the
-# argument checks to the op's fake impl, which makes the same ones. A check
-# traced by Dynamo surfaces as "Unsupported: Observed exception" under
-# fullgraph=True; from the fake impl, the message comes through as written.
+# Argument checks. The C++ kernels check every argument they read, so on the
+# success path a wrapper only calls its op (a Python check costs more than
+# the op on a small tensor, issue 15). When the op raises, the Python check
+# below runs and, where it finds the argument at fault, raises its message,
+# which names the argument, what was wrong and what is allowed. Two things
+# the op's schema lets through are checked first: a bool or a 0-dim tensor
+# where an int belongs (torch.ops would take True as 1).
+#
+# Under torch.compile and torch.export the wrappers leave the checks to the
+# op's fake impl, which makes the same ones. A check traced by Dynamo
+# surfaces as "Unsupported: Observed exception" under fullgraph=True; from
+# the fake impl, the message comes through as written.
+
+
+def _plain_ints(block_size, ints) -> bool:
+    """Every entry of block_size (an int for MX) and of ints is an int."""
+    try:
+        types = set(map(type, block_size))
+    except TypeError:  # not iterable
+        types = {type(block_size)}
+    types.update(map(type, ints))
+    return types <= {int}
+
+
+def _call(op, check, block_size, ints, *args):
+    """op(*args), with `check(*args)` raising the precise error where the op
+    fails or an entry of `block_size` or `ints` is not a plain int."""
+    if torch.compiler.is_compiling():
+        return op(*args)
+    if not _plain_ints(block_size, ints):
+        check(*args)
+    try:
+        return op(*args)
+    except Exception as e:
+        failure = e
+    check(*args)  # outside the except block: its error is not shown as raised while handling the op's
+    raise failure
 
 
 def _check_x(op: str, x: torch.Tensor) -> None:
@@ -87,10 +120,9 @@ def fake_quantize_affine_with_mask(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Like `fake_quantize_affine`, and also returns the bit-packed clamp mask
     (uint8, ceil(numel / 8) bytes; see `unpack_mask`)."""
-    if not torch.compiler.is_compiling():  # see "Checks under tracing" above
-        _check_affine_args(x, block_size, scale, zero_point, quant_min, quant_max, minval)
-    return torch.ops.pt2e_fq.fake_quantize_affine(
-        x, list(block_size), scale, zero_point, quant_min, quant_max, minval
+    return _call(
+        torch.ops.pt2e_fq.fake_quantize_affine.default, _check_affine_args, block_size, (quant_min, quant_max),
+        x, block_size, scale, zero_point, quant_min, quant_max, minval,
     )
 
 
@@ -223,10 +255,14 @@ def fake_quantize_affine_learnable(
     """
     if grad_factor is None:
         grad_factor = lsq_grad_factor(block_numel(x.shape, block_size), quant_max)
-    if not torch.compiler.is_compiling():  # see "Checks under tracing" above
+    if type(grad_factor) is int:  # the op takes a float
+        grad_factor = float(grad_factor)
+    if type(grad_factor) is not float:  # e.g. a bool, which the op would take as 1.0
         _check_learnable_args(x, block_size, scale, zero_point, quant_min, quant_max, grad_factor, minval)
-    return torch.ops.pt2e_fq.fake_quantize_affine_learnable(
-        x, list(block_size), scale, zero_point, quant_min, quant_max, float(grad_factor), minval
+    return _call(
+        torch.ops.pt2e_fq.fake_quantize_affine_learnable.default, _check_learnable_args,
+        block_size, (quant_min, quant_max), x, block_size, scale, zero_point, quant_min, quant_max, grad_factor,
+        minval,
     )
 
 
@@ -462,9 +498,9 @@ def fake_quantize_float_with_mask(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Like `fake_quantize_float`, and also returns the bit-packed clamp mask."""
     fmt = _elem_format("pt2e_fq.fake_quantize_float", "dtype", dtype)
-    if not torch.compiler.is_compiling():  # see "Checks under tracing" above
-        _check_float_args(x, block_size, scale, fmt)
-    return torch.ops.pt2e_fq.fake_quantize_float(x, list(block_size), scale, fmt)
+    return _call(
+        torch.ops.pt2e_fq.fake_quantize_float.default, _check_float_args, block_size, (), x, block_size, scale, fmt
+    )
 
 
 def fake_quantize_float(
@@ -495,9 +531,10 @@ def fake_quantize_mx_with_scales(
     shape with `axis` cut to ceil(size / block_size)."""
     op = "pt2e_fq.fake_quantize_mx"
     fmt = _elem_format(op, "elem_dtype", elem_dtype)
-    if not torch.compiler.is_compiling():  # see "Checks under tracing" above
-        _check_axis_blocks(op, x, block_size, axis)
-    y, _, scales = torch.ops.pt2e_fq.fake_quantize_mx(x, fmt, block_size, axis)
+    y, _, scales = _call(
+        torch.ops.pt2e_fq.fake_quantize_mx.default, lambda x, fmt, b, a: _check_axis_blocks(op, x, b, a),
+        block_size, (axis,), x, fmt, block_size, axis,
+    )
     return y, scales
 
 
@@ -523,9 +560,9 @@ def fake_quantize_nvfp4_with_scales(
     """Like `fake_quantize_nvfp4`, and also returns the E4M3 block scales (as
     fp32, x's shape with `axis` cut to ceil(size / 16)) and the fp32 global
     scale used (a 0-dim tensor)."""
-    if not torch.compiler.is_compiling():  # see "Checks under tracing" above
-        _check_nvfp4_args(x, global_scale, axis)
-    y, _, block_scales, used_global = torch.ops.pt2e_fq.fake_quantize_nvfp4(x, global_scale, axis)
+    y, _, block_scales, used_global = _call(
+        torch.ops.pt2e_fq.fake_quantize_nvfp4.default, _check_nvfp4_args, (), (axis,), x, global_scale, axis
+    )
     return y, block_scales, used_global
 
 
