@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import observe_ops, ops
+from . import ops
 from .formats import ELEMENTS, FloatFormat, Format, IntFormat
 from .granularity import Granularity, PerGroup, PerTensor
 from .qparams import (
@@ -231,8 +231,11 @@ class _Integer(FormatKind):
         else:
             scheme = "asymmetric" if spec.scheme is Scheme.ASYMMETRIC else "symmetric"
             offset = state["zero_point"]
-        return observe_ops.fake_quantize_affine_observe(
-            x, block_size, state["min_val"], state["max_val"], state["scale"], offset, state["nonfinite"],
+        # The op itself: FakeQuantize passes its own, shape-checked state, and
+        # the op's C++ checks (the wrapper's, word for word) would still catch
+        # a mistake; the wrapper's Python checks cost a third of the step.
+        return torch.ops.pt2e_fq.fake_quantize_affine_observe(
+            x, list(block_size), state["min_val"], state["max_val"], state["scale"], offset, state["nonfinite"],
             qmin, qmax, scheme, int_range_limit(x.dtype, qmin, qmax), averaging_constant,
         )[0]
 
@@ -320,8 +323,8 @@ class _ScaledFloat(FormatKind):
     fuses_observe = True
 
     def fake_quantize_observe(self, spec, x, block_size, state, averaging_constant):
-        return observe_ops.fake_quantize_float_observe(
-            x, block_size, state["min_val"], state["max_val"], state["scale"], state["nonfinite"],
+        return torch.ops.pt2e_fq.fake_quantize_float_observe(  # the op itself: see _Integer's
+            x, list(block_size), state["min_val"], state["max_val"], state["scale"], state["nonfinite"],
             spec.format.element.name, averaging_constant,
         )[0]
 
