@@ -279,6 +279,31 @@ class FakeQuantize(FakeQuantizeBase):
             self._store(name, value)
         self.nonfinite.add_(torch.isfinite(x).logical_not().sum())
 
+    def _fuses_observe(self, sync_group) -> bool:
+        """Whether this step (observer on) runs as one fused observe-and-
+        fake-quantize op: fake quant on, a static point that is not
+        learnable (its qparams get gradients the fused op does not give),
+        an observer and format kind with a fused op, state sized by an
+        earlier observation, and no distributed sync (the batch range must
+        be all-reduced before the update). The other steps take the
+        unfused path, the fused op's reference. Shape tests only."""
+        return (
+            self._fake_quant_on
+            and sync_group is None
+            and self._kind.fuses_observe
+            and getattr(self._observer, "fusable", False)
+            and not self.qspec.dynamic
+            and not self._learned
+            and all(self._state(n).numel() > 0 for n in self._qparam_names + ("min_val", "max_val"))
+        )
+
+    def _fake_quantize_observe(self, x: torch.Tensor) -> torch.Tensor:
+        state = {n: self._state(n) for n in self._qparam_names + ("min_val", "max_val", "nonfinite")}
+        block_size = self.qspec.granularity.block_size(x.shape)
+        return self._kind.fake_quantize_observe(
+            self.qspec, x, block_size, state, self._observer.fused_averaging_constant()
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qspec.dynamic:
             if not self._fake_quant_on:
@@ -299,6 +324,9 @@ class FakeQuantize(FakeQuantizeBase):
                 self._observe(x, sync_group)
             return x.clone()
         if self._observer_on:
+            if self._fuses_observe(sync_group):
+                self._check_stored_shape(x.shape)
+                return self._fake_quantize_observe(x)
             self._observe(x, sync_group)
         if not self._fake_quant_on:
             return x

@@ -143,6 +143,21 @@ class FormatKind:
     def fake_quantize(self, spec, x: torch.Tensor, block_size, qparams: dict) -> torch.Tensor:
         raise NotImplementedError
 
+    # Whether the kind has a fused observe-and-fake-quantize op
+    # (`fake_quantize_observe`).
+    fuses_observe: bool = False
+
+    def fake_quantize_observe(
+        self, spec, x: torch.Tensor, block_size, state: dict, averaging_constant: Optional[float]
+    ) -> torch.Tensor:
+        """A static point's step with its range observer on, in one op
+        (observe_ops.py): updates `state` in place (the running range
+        "min_val" / "max_val", the qparams by name, the counter "nonfinite")
+        exactly as the observer, `qparams_from_range` and the stored qparams
+        would, and returns `fake_quantize` of x on the new qparams.
+        `averaging_constant`: the observer's `fused_averaging_constant()`."""
+        raise NotImplementedError
+
     def decode(self, op, values: dict) -> OpCall:
         """The OpCall of this kind's op from its arguments by schema name."""
         raise NotImplementedError
@@ -206,6 +221,23 @@ class _Integer(FormatKind):
         return ops.fake_quantize_affine(
             x, block_size, qparams["scale"], qparams.get("zero_point"), qmin, qmax, minval=qparams.get("minval")
         )
+
+    fuses_observe = True
+
+    def fake_quantize_observe(self, spec, x, block_size, state, averaging_constant):
+        qmin, qmax = self.quant_range(spec)
+        if spec.formulation is Formulation.MINVAL:
+            scheme, offset = "minval", state["minval"]
+        else:
+            scheme = "asymmetric" if spec.scheme is Scheme.ASYMMETRIC else "symmetric"
+            offset = state["zero_point"]
+        # The op itself: FakeQuantize passes its own, shape-checked state, and
+        # the op's C++ checks (the wrapper's, word for word) would still catch
+        # a mistake; the wrapper's Python checks cost a third of the step.
+        return torch.ops.pt2e_fq.fake_quantize_affine_observe(
+            x, list(block_size), state["min_val"], state["max_val"], state["scale"], offset, state["nonfinite"],
+            qmin, qmax, scheme, int_range_limit(x.dtype, qmin, qmax), averaging_constant,
+        )[0]
 
     def learnable_names(self, spec) -> tuple[str, ...]:
         """The qparams a learnable point trains: the scale, and the offset
@@ -287,6 +319,14 @@ class _ScaledFloat(FormatKind):
 
     def fake_quantize(self, spec, x, block_size, qparams):
         return ops.fake_quantize_float(x, block_size, qparams["scale"], spec.format.element.name)
+
+    fuses_observe = True
+
+    def fake_quantize_observe(self, spec, x, block_size, state, averaging_constant):
+        return torch.ops.pt2e_fq.fake_quantize_float_observe(  # the op itself: see _Integer's
+            x, list(block_size), state["min_val"], state["max_val"], state["scale"], state["nonfinite"],
+            spec.format.element.name, averaging_constant,
+        )[0]
 
     def decode(self, op, values):
         return OpCall(op, self, FloatFormat.of(values["fmt"]), values["x"], tuple(values["block_size"]),

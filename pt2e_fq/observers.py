@@ -74,6 +74,9 @@ class RangeObserver(Observer):
     batch of empty blocks (a rank with no data still joins the reduction)."""
 
     keeps_range: ClassVar[bool] = True
+    # Whether the fused observe ops (observe_ops.py) reproduce `update`: a
+    # subclass with an update of its own stays on the unfused path.
+    fusable: ClassVar[bool] = False
 
     def observe(self, x, block_size, running, fake_quantize, reduce_range: Optional[ReduceRangeFn] = None):
         if x.numel() == 0 and running is not None:
@@ -87,6 +90,12 @@ class RangeObserver(Observer):
     def update(self, running: Range, batch: Range) -> Range:
         raise NotImplementedError
 
+    def fused_averaging_constant(self) -> Optional[float]:
+        """The `averaging_constant` argument with which the fused observe ops
+        (observe_ops.py) compute `update` bit for bit: None for the running
+        min / max. Only observers with `fusable` True have one."""
+        raise NotImplementedError
+
 
 @dataclass(frozen=True)
 class MinMaxObserver(RangeObserver):
@@ -94,6 +103,11 @@ class MinMaxObserver(RangeObserver):
 
     def update(self, running, batch):
         return torch.minimum(running[0], batch[0]), torch.maximum(running[1], batch[1])
+
+    fusable: ClassVar[bool] = True
+
+    def fused_averaging_constant(self):
+        return None
 
 
 @dataclass(frozen=True)
@@ -120,6 +134,11 @@ class MovingAverageMinMaxObserver(RangeObserver):
             return torch.where(seen, torch.where(fresh, new, old + c * (new - old)), old)
 
         return update(running[0], lo), update(running[1], hi)
+
+    fusable: ClassVar[bool] = True
+
+    def fused_averaging_constant(self):
+        return self.averaging_constant
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,8 @@ using cudaStream_t = struct CUstream_st*;
 cudaError_t cudaGetDevice(int* device);
 cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device);
 cudaError_t cudaGetLastError();
+// Runs at once: launches run at once too, in stream order.
+cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t stream);
 
 namespace cuda_sim {
 
@@ -110,6 +112,16 @@ inline uint32_t atomicOr(uint32_t* p, uint32_t v) {
 inline uint32_t atomicMax(uint32_t* p, uint32_t v) {
   const uint32_t old = *p;
   *p = old > v ? old : v;
+  return old;
+}
+inline uint32_t atomicMin(uint32_t* p, uint32_t v) {
+  const uint32_t old = *p;
+  *p = old < v ? old : v;
+  return old;
+}
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+  const unsigned long long old = *p;
+  *p = old + v;
   return old;
 }
 

@@ -37,6 +37,27 @@ TORCH_LIBRARY(pt2e_fq, m) {
       "Tensor scale, Tensor? zero_point, int quant_min, int quant_max, float grad_factor, "
       "Tensor? minval=None) -> (Tensor, Tensor, Tensor)");
 
+  // Fused observe-and-fake-quantize (a static point's training step while
+  // its observer is on): per block of block_size, folds the batch's finite
+  // range into the running range min_val / max_val (averaging_constant None:
+  // running min / max, MinMaxObserver; else the moving average of
+  // MovingAverageMinMaxObserver), adds the count of non-finite values to
+  // nonfinite, writes the range's qparams into scale and offset, and returns
+  // (y, packed mask) of the static op on them. All in place on x's device,
+  // no host sync. scheme: "symmetric" | "asymmetric" (offset: the int32 zero
+  // point) | "minval" (offset: the fp32 minval); ranges are clamped to
+  // [-range_limit, range_limit] first (qparams.int_range_limit).
+  m.def(
+      "fake_quantize_affine_observe(Tensor x, SymInt[] block_size, Tensor(a!) min_val, "
+      "Tensor(b!) max_val, Tensor(c!) scale, Tensor(d!) offset, Tensor(e!) nonfinite, "
+      "int quant_min, int quant_max, str scheme, float range_limit, "
+      "float? averaging_constant=None) -> (Tensor, Tensor)");
+  // The same for the float formats with static scales (fake_quantize_float).
+  m.def(
+      "fake_quantize_float_observe(Tensor x, SymInt[] block_size, Tensor(a!) min_val, "
+      "Tensor(b!) max_val, Tensor(c!) scale, Tensor(d!) nonfinite, str fmt, "
+      "float? averaging_constant=None) -> (Tensor, Tensor)");
+
   // The float-format ops (FP8, FP4, MX, NVFP4). Element formats are named by
   // strings ("e4m3", "e5m2", "e2m1") rather than ScalarType:
   // torch.export.save cannot serialize torch.float4_e2m1fn_x2.

@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include "cpu_loops.h"
+#include "float_cpu.h"
 #include "float_args.h"
 #include "pt2e_fq/block_layout.h"
 #include "pt2e_fq/float_formats.h"
@@ -39,8 +40,13 @@ std::tuple<at::Tensor, at::Tensor> fake_quantize_float_cpu(const at::Tensor& x_i
   const at::Tensor scale =
       qparam_as_float(x_in, scale_in, "scale", reduced_shape(x_in.sizes(), block_size), kOp);
   check_scale_values(kOp, "scale", scale);
+  return float_forward(x_in.contiguous(), L, scale, format);
+}
 
-  const at::Tensor x = x_in.contiguous();
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> float_forward(const at::Tensor& x, const BlockLayout& L,
+                                                 const at::Tensor& scale, ElemFormat format) {
   at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
   at::Tensor mask = new_packed_mask(x);
   if (x.numel() == 0) return {y, mask};
@@ -53,8 +59,6 @@ std::tuple<at::Tensor, at::Tensor> fake_quantize_float_cpu(const at::Tensor& x_i
   });
   return {y, mask};
 }
-
-}  // namespace
 
 TORCH_LIBRARY_IMPL(pt2e_fq, CPU, m) { m.impl("fake_quantize_float", &fake_quantize_float_cpu); }
 

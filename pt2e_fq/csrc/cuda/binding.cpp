@@ -11,23 +11,12 @@
 
 #include "float_args.h"
 #include "float_dtype.h"
+#include "elem_type.h"
 #include "kernels.h"
 #include "qparams.h"
 
 namespace pt2e_fq::cuda {
 namespace {
-
-// The kernels' name of a dtype the caller has checked.
-ElemType elem_type(at::ScalarType dtype) {
-  ElemType type{};
-  dispatch_float_dtype(dtype, [&](auto tag) {
-    using T = decltype(tag);
-    type = std::is_same_v<T, float>           ? ElemType::kFloat32
-           : std::is_same_v<T, c10::BFloat16> ? ElemType::kBFloat16
-                                              : ElemType::kFloat16;
-  });
-  return type;
-}
 
 // (y, packed mask) of prepared inputs. Qparam values are not checked here:
 // that would need a host sync. Invalid values give NaN or saturated outputs;

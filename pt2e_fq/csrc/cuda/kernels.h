@@ -10,6 +10,7 @@
 #include "pt2e_fq/affine.h"
 #include "pt2e_fq/block_layout.h"
 #include "pt2e_fq/float_formats.h"
+#include "pt2e_fq/observe.h"
 
 namespace pt2e_fq::cuda {
 
@@ -57,5 +58,27 @@ cudaError_t launch_fake_quantize_nvfp4(ElemType type, const void* x, void* y,
                                        uint32_t* mask_words, float* scales, float* global_scale,
                                        uint32_t* amax_scratch, const AxisBlocks& blocks,
                                        cudaStream_t stream);
+
+// The fused observe-and-fake-quantize ops: updates the running range
+// min_val / max_val (fp32, nblocks each, the blocks of `layout`), writes the
+// qparams (scale, and the int32 zero_point or the fp32 minval; ioff: nblocks
+// fp32 of device scratch for the zero point as the kernel takes it), adds
+// the non-finite count to *nonfinite, and fake-quantizes x into y / the
+// mask as launch_fake_quantize_affine does. `scratch`: observe_scratch_words
+// 32-bit words of device memory, 8-byte aligned.
+int64_t observe_scratch_words(int64_t nblocks);
+cudaError_t launch_fake_quantize_affine_observe(
+    ElemType type, const void* x, void* y, uint32_t* mask_words, int64_t numel,
+    const BlockLayout& layout, int64_t nblocks, const RangeUpdate& update,
+    const AffineRangeParams& params, float* min_val, float* max_val, float* scale,
+    int32_t* zero_point, float* minval, float* ioff, int64_t* nonfinite, uint32_t* scratch,
+    cudaStream_t stream);
+// The same for the float formats (launch_fake_quantize_float).
+cudaError_t launch_fake_quantize_float_observe(ElemType type, ElemFormat format, const void* x,
+                                               void* y, uint32_t* mask_words, int64_t numel,
+                                               const BlockLayout& layout, int64_t nblocks,
+                                               const RangeUpdate& update, float* min_val,
+                                               float* max_val, float* scale, int64_t* nonfinite,
+                                               uint32_t* scratch, cudaStream_t stream);
 
 }  // namespace pt2e_fq::cuda
