@@ -11,9 +11,10 @@ of the unfused path (observers.py, qparams.py, format_kinds.py, then the
 static op), which stays the reference and serves the first observation,
 distributed sync and the other observers.
 
-This module registers their fake implementations and their autograd
-formula (straight through the mask to x, like the static ops; the state
-tensors get no gradient).
+This module registers their fake implementations. Their autograd is the
+static ops' C++ kernel (csrc/common/ste_autograd.cpp): straight through the
+mask to x; the state tensors get no gradient, and their version counters
+count the in-place update.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 
 from .blocks import check_block_size, check_qparam, reduced_shape
 from .formats import ELEMENTS
-from .ops import _check_x
+from .ops import _call, _check_x
 
 AFFINE_OP = "pt2e_fq.fake_quantize_affine_observe"
 FLOAT_OP = "pt2e_fq.fake_quantize_float_observe"
@@ -117,12 +118,16 @@ def fake_quantize_affine_observe(
     ignored. All in place. Returns (y, packed mask) of
     `fake_quantize_affine` on the new qparams; the gradient reaches x
     straight through the mask."""
-    if not torch.compiler.is_compiling():  # the fake impl checks under tracing (see ops.py)
-        _check_affine_observe_args(x, block_size, min_val, max_val, scale, offset, nonfinite, quant_min,
-                                   quant_max, scheme, range_limit, averaging_constant)
-    return torch.ops.pt2e_fq.fake_quantize_affine_observe(
-        x, list(block_size), min_val, max_val, scale, offset, nonfinite, quant_min, quant_max, scheme,
-        float(range_limit), averaging_constant,
+    if type(range_limit) is int:  # the op takes a float
+        range_limit = float(range_limit)
+    if type(range_limit) is not float or not (averaging_constant is None or type(averaging_constant) is float):
+        # e.g. a bool, which the op would take as 1.0
+        _check_affine_observe_args(x, block_size, min_val, max_val, scale, offset, nonfinite, quant_min, quant_max,
+                                   scheme, range_limit, averaging_constant)
+    return _call(  # checks: see "Argument checks" in ops.py
+        torch.ops.pt2e_fq.fake_quantize_affine_observe.default, _check_affine_observe_args, block_size,
+        (quant_min, quant_max), x, block_size, min_val, max_val, scale, offset, nonfinite, quant_min, quant_max,
+        scheme, range_limit, averaging_constant,
     )
 
 
@@ -140,10 +145,11 @@ def fake_quantize_float_observe(
     ("e4m3", "e5m2", "e2m1"): the scale is max(|lo|, |hi|) / fmax floored at
     the smallest normal fp32 (`qparams.float_scale`); returns (y, packed
     mask) of `fake_quantize_float`."""
-    if not torch.compiler.is_compiling():
+    if not (averaging_constant is None or type(averaging_constant) is float):  # e.g. a bool, taken as 1.0
         _check_float_observe_args(x, block_size, min_val, max_val, scale, nonfinite, fmt, averaging_constant)
-    return torch.ops.pt2e_fq.fake_quantize_float_observe(
-        x, list(block_size), min_val, max_val, scale, nonfinite, fmt, averaging_constant
+    return _call(  # checks: see "Argument checks" in ops.py
+        torch.ops.pt2e_fq.fake_quantize_float_observe.default, _check_float_observe_args, block_size, (),
+        x, block_size, min_val, max_val, scale, nonfinite, fmt, averaging_constant,
     )
 
 
@@ -164,45 +170,3 @@ def _affine_observe_fake(x, block_size, min_val, max_val, scale, offset, nonfini
 def _float_observe_fake(x, block_size, min_val, max_val, scale, nonfinite, fmt, averaging_constant=None):
     _check_float_observe_args(x, block_size, min_val, max_val, scale, nonfinite, fmt, averaging_constant)
     return _empty_outputs(x)
-
-
-# ---------------------------------------------------------------------------
-# Autograd: dx = mask ? dy : 0 (ste_grad), x only. Kept to this one small
-# Function, apart from ops.py's, so it can move with the static ops'
-# autograd (to C++) later. torch.library.register_autograd refuses ops
-# that mutate their inputs, hence an Autograd kernel of our own. Reverse
-# mode only.
-
-
-class _ObserveSte(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, op, x, *rest):
-        y, mask = op(x, *rest)  # autograd is off in here: straight to the kernel
-        ctx.mark_non_differentiable(mask)
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(mask)
-        ctx.num_rest = len(rest)
-        return y, mask
-
-    @staticmethod
-    def backward(ctx, dy, _dmask):
-        (mask,) = ctx.saved_tensors
-        dx = None if dy is None else torch.ops.pt2e_fq.ste_grad(dy.contiguous(), mask)
-        return (None, dx) + (None,) * ctx.num_rest
-
-
-def _register_autograd(name: str) -> None:
-    op = getattr(torch.ops.pt2e_fq, name).default
-
-    def kernel(keyset, *args):
-        if torch.is_grad_enabled() and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
-            return _ObserveSte.apply(op, *args)
-        with torch._C._AutoDispatchBelowAutograd():
-            return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
-
-    _LIB.impl(name, kernel, "Autograd", with_keyset=True)
-
-
-_LIB = torch.library.Library("pt2e_fq", "IMPL")
-_register_autograd("fake_quantize_affine_observe")
-_register_autograd("fake_quantize_float_observe")

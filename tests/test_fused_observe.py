@@ -282,6 +282,35 @@ def test_float_observe_rejects_an_unknown_format():
             call(torch.randn(2, 6), [1, 2], *s.values(), "e3m4")
 
 
+def test_state_versions_count_the_update_and_the_gradient_and_tangent_go_straight_through():
+    # The C++ Autograd kernel bumps the version of every tensor the schema
+    # marks written (autograd refuses a saved tensor changed since), and
+    # differentiates x alone: dx and the forward-mode tangent are dy / t
+    # where the returned mask is set (checked against the mask unpacked by
+    # hand from its bits, and against fake_quantize_affine on the new qparams).
+    args = affine_args(x=torch.randn(2, 6, generator=torch.Generator().manual_seed(3)) * 3, averaging_constant=0.01)
+    written = {n: args[n] for n in ("min_val", "max_val", "scale", "offset", "nonfinite")}
+    before = {n: t._version for n, t in written.items()}
+    x = args["x"].clone().requires_grad_()
+    y, mask = AFFINE_OBSERVE(*{**args, "x": x}.values())
+    assert all(t._version > before[n] for n, t in written.items())
+    def bits(mask):
+        return torch.tensor([(int(mask[i // 8]) >> (i % 8)) & 1 for i in range(12)], dtype=torch.bool).reshape(2, 6)
+
+    y_ref, mask_ref = torch.ops.pt2e_fq.fake_quantize_affine(
+        args["x"], [1, 2], written["scale"], written["offset"], -128, 127, None)
+    assert torch.equal(y.detach(), y_ref) and torch.equal(mask, mask_ref)
+    dy = torch.randn(2, 6)
+    y.backward(dy)
+    assert 0 < int(bits(mask).sum()) < 12  # some values clamp, some do not
+    assert torch.equal(x.grad, torch.where(bits(mask), dy, 0.0))
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(args["x"], dy)
+        y_dual, mask_dual = AFFINE_OBSERVE(*{**args, "x": dual}.values())
+        tangent = torch.autograd.forward_ad.unpack_dual(y_dual).tangent
+    assert torch.equal(tangent, torch.where(bits(mask_dual), dy, 0.0))
+
+
 @pytest.mark.parametrize("averaging_constant", [None, 0.25])
 def test_opcheck(averaging_constant):
     x = torch.randn(4, 6, requires_grad=True)

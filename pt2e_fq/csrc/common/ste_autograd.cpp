@@ -1,5 +1,6 @@
 // The Autograd kernel of every straight-through op: fake_quantize_affine,
-// fake_quantize_float, fake_quantize_mx, fake_quantize_nvfp4 and ste_grad.
+// fake_quantize_float, fake_quantize_mx, fake_quantize_nvfp4, the fused
+// observe ops and ste_grad.
 //
 // Written as ATen's generated autograd kernels are (a Node with the mask
 // saved, set_history on y, the tangent set on y for forward mode), so no
@@ -15,7 +16,11 @@
 //   ste_grad returns y alone and takes the mask as argument 1;
 // - every other tensor argument (a qparam) gets no gradient; one that
 //   requires grad is a likely mistake, which Python warns about
-//   (pt2e_fq/ops.py, _warn_qparam_grad) at the caller's line.
+//   (pt2e_fq/ops.py, _warn_qparam_grad) at the caller's line;
+// - an argument the schema marks written (Tensor(a!): the observer state
+//   of the fused observe ops) has its version counter bumped, as ATen's
+//   ADInplaceOrView kernels do, so autograd can tell a saved tensor that
+//   was changed since.
 #include <Python.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -23,6 +28,7 @@
 #include <torch/library.h>
 
 #include <string>
+#include <vector>
 
 namespace pt2e_fq {
 namespace {
@@ -118,10 +124,16 @@ void ste_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
   }
   const bool forward_ad = x._fw_grad(/*level=*/0).defined();
   const at::Tensor input_mask = mask_is_input ? args[1].toTensor() : at::Tensor();
+  std::vector<at::Tensor> written;
+  for (size_t i = 1; i < num_args; ++i) {
+    const auto* alias = schema.arguments()[i].alias_info();
+    if (alias != nullptr && alias->isWrite()) written.push_back(args[i].toTensor());
+  }
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
   }
+  for (const at::Tensor& t : written) torch::autograd::impl::bump_version(t);
   if (!record && !forward_ad) return;
   const size_t num_returns = schema.returns().size();
   const at::Tensor y = (*stack)[stack->size() - num_returns].toTensor();
@@ -143,7 +155,7 @@ void ste_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
 TORCH_LIBRARY_IMPL(pt2e_fq, Autograd, m) {
   for (const char* name :
        {"fake_quantize_affine", "fake_quantize_float", "fake_quantize_mx", "fake_quantize_nvfp4",
-        "ste_grad"}) {
+        "fake_quantize_affine_observe", "fake_quantize_float_observe", "ste_grad"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&ste_autograd>());
   }
 }
