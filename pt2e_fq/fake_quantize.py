@@ -147,6 +147,7 @@ class FakeQuantize(FakeQuantizeBase):
         self._fake_quant_on = True
         self._frozen = False
         self._nonfinite_at_convert: Optional[int] = None
+        self._shape_checked: Optional[torch.Size] = None  # see _check_stored_shape
         # Learnable qparams are Parameters from the start (empty until the
         # first observation sizes them), so an optimizer built right after
         # prepare already holds them; a trained zero point is fp32.
@@ -205,7 +206,13 @@ class FakeQuantize(FakeQuantizeBase):
 
     def _check_stored_shape(self, input_shape) -> None:
         """Stored state (qparams, running range) has one shape, fixed by the
-        first observation; an input that needs another is an error."""
+        first observation; an input that needs another is an error. In eager
+        mode the shape last found good is remembered (the check costs more
+        than the fused step on a small tensor); what sizes the state anew
+        (`_store`, a state_dict load) forgets it."""
+        compiling = torch.compiler.is_compiling()  # traced once, costs nothing at run time
+        if not compiling and input_shape == self._shape_checked:
+            return
         shape = reduced_shape(input_shape, self.qspec.range_granularity.block_size(input_shape))
         for name in self._qparam_buffer_names() + ("min_val", "max_val"):
             buf = self._state(name)
@@ -216,9 +223,12 @@ class FakeQuantize(FakeQuantizeBase):
                     f"{tuple(buf.shape)}; inputs of varying shape need a granularity whose qparams do not "
                     "depend on the shape (PerTensor, PerChannel) or a dynamic point"
                 )
+        if not compiling:
+            self._shape_checked = input_shape
 
     def _store(self, name: str, value: torch.Tensor) -> None:
         current = self._state(name)
+        self._shape_checked = None
         if name in self._parameters:
             # The observer sets a learnable qparam (no graph): the Parameter
             # object stays, so optimizers that hold it see the new value.
@@ -377,6 +387,7 @@ class FakeQuantize(FakeQuantizeBase):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
+        self._shape_checked = None
         # Buffers sized at the first observation start empty: take the saved
         # shape (either side empty), as torch's observers do.
         for name, buf in self._buffers.items():
