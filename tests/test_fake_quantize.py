@@ -191,19 +191,19 @@ def test_a_new_input_shape_that_changes_the_qparams_shape_is_an_error():
     with pytest.raises(ValueError, match=r"shape \(4, 16\)\) gives qparams of shape \(2, 4\).*calibrated with shape \(2, 2\)"):
         fq(randn(4, 16))
     # Every step checks (eager mode remembers the last good shape): after a
-    # good step the bad shape still fails (observer off: the op's own check),
-    # and a state_dict of another shape is checked against anew.
+    # good step the bad shape still fails (observer off: the op's own check);
+    # a loaded state_dict sets the shape checked against.
     fq(randn(4, 8))
     for observer, message in ((True, "calibrated with shape"), (False, r"scale must have shape \(2, 4\)")):
         fq.enable_observer(observer)
         with pytest.raises(ValueError, match=message):
             fq(randn(4, 16))
     fq.enable_observer(True)
-    other = _calibrated(q.QSpec(q.INT8, q.PerBlock((2, 4))), randn(4, 16))
-    fq.load_state_dict(other.state_dict())
-    fq(randn(4, 16))
+    loaded = q.FakeQuantize(q.QSpec(q.INT8, q.PerBlock((2, 4))))
+    loaded.load_state_dict(_calibrated(q.QSpec(q.INT8, q.PerBlock((2, 4))), randn(4, 16)).state_dict())
+    loaded(randn(4, 16))
     with pytest.raises(ValueError, match=r"calibrated with shape \(2, 4\)"):
-        fq(randn(4, 8))
+        loaded(randn(4, 8))
 
 
 # ---------------------------------------------------------------------------
