@@ -142,7 +142,9 @@ def new_run(mode, model):
 
 def measure(name, model, x, target, loss_fn, *, device, dtype, modes, steps):
     """Rows of the table for one model: every flow in every mode, timed
-    interleaved; a flow that fails to prepare or to compile shows why."""
+    interleaved; a flow that fails to prepare or to compile shows why. Also
+    the median step ms by (flow, mode) of the flows that ran, for callers
+    that compare them (bench_overhead.py's targets)."""
     # Export and prepare the model already on the device and in the dtype:
     # prepare_pt2e places the fake-quant modules on the model's device, and
     # their qparams stay fp32 (casting a prepared model would turn torchao's
@@ -195,7 +197,7 @@ def measure(name, model, x, target, loss_fn, *, device, dtype, modes, steps):
                 saved = f"{sum(by_dtype.values()):,}"
                 masks = f"{by_dtype.get(torch.bool, 0) + by_dtype.get(torch.uint8, 0):,}"
             rows.append([name, flow, mode, f"{ms[flow, mode]:.2f}", ratio, run.graphs, saved, masks])
-    return rows
+    return rows, ms
 
 
 HEADERS = ["model", "flow", "mode", "step ms", "vs float (same mode)", "graphs", "saved for backward, bytes",
@@ -237,7 +239,7 @@ def main():
     modes = ["eager", "compiled"] if compiled else ["eager"]
     rows = []
     for case in cases(names, args.device, dtype):
-        rows += measure(*case, device=args.device, dtype=dtype, modes=modes, steps=steps)
+        rows += measure(*case, device=args.device, dtype=dtype, modes=modes, steps=steps)[0]
     print(environment(args.device, dtype, steps))
     print(tabulate(rows, headers=HEADERS, tablefmt="github", disable_numparse=True))
 
