@@ -12,6 +12,7 @@ switch buffers dropped, so a re-exported program sees only the qparams.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -301,14 +302,23 @@ class FakeQuantize(FakeQuantizeBase):
             self._fake_quant_on
             and sync_group is None
             and self._kind.fuses_observe
-            and getattr(self._observer, "fusable", False)
+            and self._observer.fusable
             and not self.qspec.dynamic
             and not self._learned
-            and all(self._state(n).numel() > 0 for n in self._qparam_names + ("min_val", "max_val"))
+            and all(self._state(n).numel() > 0 for n in self._qparam_names + self._range_names())
         )
 
+    def _range_names(self) -> tuple[str, ...]:
+        return ("min_val", "max_val") if self._observer.keeps_range else ()
+
     def _fake_quantize_observe(self, x: torch.Tensor) -> torch.Tensor:
-        state = {n: self._state(n) for n in self._qparam_names + ("min_val", "max_val", "nonfinite")}
+        state = {n: self._state(n) for n in self._qparam_names + self._range_names() + ("nonfinite",)}
+        if not self._observer.keeps_range:
+            # The op folds the batch's range into an empty one: that is the
+            # batch's range (CurrentMinMaxObserver), in scratch tensors.
+            scale = state["scale"]
+            state["min_val"] = torch.full_like(scale, math.inf)
+            state["max_val"] = torch.full_like(scale, -math.inf)
         block_size = self.qspec.granularity.block_size(x.shape)
         return self._kind.fake_quantize_observe(
             self.qspec, x, block_size, state, self._observer.fused_averaging_constant()

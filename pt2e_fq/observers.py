@@ -55,6 +55,10 @@ class Observer:
 
     keeps_range: ClassVar[bool] = False
     dynamic: ClassVar[bool] = False
+    # Whether the fused observe ops (observe_ops.py) reproduce `observe`
+    # (with `fused_averaging_constant`): a subclass with an update of its
+    # own stays on the unfused path.
+    fusable: ClassVar[bool] = False
 
     def observe(
         self,
@@ -63,6 +67,13 @@ class Observer:
         running: Optional[Range],
         fake_quantize: FakeQuantizeFn,
     ) -> Range:
+        raise NotImplementedError
+
+    def fused_averaging_constant(self) -> Optional[float]:
+        """The `averaging_constant` argument with which the fused observe ops
+        compute this observer's range bit for bit: None for the running
+        min / max (from an empty range for an observer that keeps none).
+        Only observers with `fusable` True have one."""
         raise NotImplementedError
 
 
@@ -74,9 +85,6 @@ class RangeObserver(Observer):
     batch of empty blocks (a rank with no data still joins the reduction)."""
 
     keeps_range: ClassVar[bool] = True
-    # Whether the fused observe ops (observe_ops.py) reproduce `update`: a
-    # subclass with an update of its own stays on the unfused path.
-    fusable: ClassVar[bool] = False
 
     def observe(self, x, block_size, running, fake_quantize, reduce_range: Optional[ReduceRangeFn] = None):
         if x.numel() == 0 and running is not None:
@@ -88,12 +96,6 @@ class RangeObserver(Observer):
         return batch if running is None else self.update(running, batch)
 
     def update(self, running: Range, batch: Range) -> Range:
-        raise NotImplementedError
-
-    def fused_averaging_constant(self) -> Optional[float]:
-        """The `averaging_constant` argument with which the fused observe ops
-        (observe_ops.py) compute `update` bit for bit: None for the running
-        min / max. Only observers with `fusable` True have one."""
         raise NotImplementedError
 
 
@@ -192,6 +194,13 @@ class CurrentMinMaxObserver(Observer):
     point it tracks the latest batch (e.g. a weight during QAT)."""
 
     dynamic: ClassVar[bool] = True
+
+    # The batch's range is the running min / max started from the empty
+    # range (+inf, -inf): minimum(+inf, lo) is lo, bit for bit.
+    fusable: ClassVar[bool] = True
+
+    def fused_averaging_constant(self):
+        return None
 
     def observe(self, x, block_size, running, fake_quantize):
         return block_min_max(x, block_size)

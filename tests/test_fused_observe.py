@@ -120,7 +120,8 @@ def int_specs():
 
 FLOAT_SPECS = st.sampled_from([dict(format=f) for f in (q.FP8_E4M3, q.FP8_E5M2, q.FP4_E2M1)])
 OBSERVERS = st.sampled_from(
-    [q.MinMaxObserver()] + [q.MovingAverageMinMaxObserver(c) for c in (0.01, 1 / 3, 0.5, 1.0)]
+    [q.MinMaxObserver(), q.CurrentMinMaxObserver()]
+    + [q.MovingAverageMinMaxObserver(c) for c in (0.01, 1 / 3, 0.5, 1.0)]
 )
 
 
@@ -193,7 +194,7 @@ def test_qat_steps_on_larger_inputs_match(dtype, fields, granularity):
 def test_a_block_that_stays_empty_keeps_qparams_of_zero_then_takes_its_first_finite_range():
     x1 = torch.tensor([[math.nan, math.inf], [1.0, -2.0]])
     x2 = torch.tensor([[3.0, -1.0], [math.nan, 4.0]])
-    for observer in (q.MinMaxObserver(), q.MovingAverageMinMaxObserver(0.25)):
+    for observer in (q.MinMaxObserver(), q.MovingAverageMinMaxObserver(0.25), q.CurrentMinMaxObserver()):
         assert_same_steps(q.QSpec(q.INT8, q.PerChannel(0), "asymmetric", observer=observer), [x1, x1, x2, x2])
 
 
@@ -213,7 +214,6 @@ XS = [torch.randn(4, 8, generator=torch.Generator().manual_seed(s)) for s in ran
 
 @pytest.mark.parametrize("spec", [
     q.QSpec(q.INT8, observer=q.MSEObserver(num_candidates=4)),
-    q.QSpec(q.INT8, observer=q.CurrentMinMaxObserver()),
     q.QSpec(q.INT8, q.PerToken(), "asymmetric", dynamic=True),
     q.QSpec(q.INT8, learnable=True),
     q.QSpec(q.MXFP8_E4M3, q.PerGroup(32), dynamic=True),
