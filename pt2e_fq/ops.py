@@ -3,9 +3,9 @@
 Each public function validates its arguments (shapes and dtypes only: reading
 values would sync the host with the device) and calls one `torch.ops.pt2e_fq`
 operator, so torch.export and torch.compile see exactly one node. This module
-also registers the operators' fake (meta) implementations and the learnable
-op's autograd; the straight-through ops' autograd (dx through the bit-packed
-clamp mask, the only tensor the node saves) is C++ (csrc/common/ste_autograd.cpp).
+also registers the operators' fake (meta) implementations; their autograd
+is C++ (csrc/common/ste_autograd.cpp: dx through the bit-packed clamp mask,
+the only tensor the node saves; learnable_autograd.cpp: the LSQ backward).
 """
 
 from __future__ import annotations
@@ -308,10 +308,10 @@ def _ste_grad_fake(grad, mask):
 
 
 # ---------------------------------------------------------------------------
-# Autograd. The straight-through ops (fake_quantize_affine, _float, _mx,
-# _nvfp4 and ste_grad) have their Autograd kernel in C++
-# (csrc/common/ste_autograd.cpp): reverse and forward mode with no Python on
-# the call. It calls back here only to warn about a qparam that requires grad.
+# Autograd is C++, with no Python on the call: the straight-through ops'
+# (csrc/common/ste_autograd.cpp: reverse and forward mode) and the learnable
+# op's (csrc/common/learnable_autograd.cpp: reverse mode). The first calls
+# back here only to warn about a qparam that requires grad.
 
 _QPARAM_GRAD_WARNING = (
     "{op}: {what} has requires_grad=True but gets no gradient: the op differentiates "
@@ -346,91 +346,6 @@ def _warn_qparam_grad(op: str, name: str) -> None:
         _QPARAM_GRAD_WARNING.format(op=op.replace("::", "."), what=name), UserWarning,
         stacklevel=_user_stacklevel(),
     )
-
-
-def _single_level_apply(function, op, *args):
-    """Applies `function` (an autograd.Function whose forward takes the op
-    first) from inside the op's Autograd kernel. Under torch.func
-    the kernel is reached within the current transform level's dispatch,
-    where Function.apply would dispatch torch.func's custom_function_call,
-    which has no kernel at this key; so the Function is applied at this one
-    level, as torch.func itself applies a Function per level."""
-    apply = super(torch.autograd.Function, function).apply
-    if not torch._C._are_functorch_transforms_active():
-        return apply(op, *args)
-    from torch._C._functorch import TransformType
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-    from torch._functorch.utils import enable_single_level_autograd_function
-
-    # Nested derivative transforms would need the Function to record at
-    # every level at once; run at one level, the outer derivative is a silent
-    # 0, so refuse (torch.autograd.grad with create_graph=True nests fine).
-    derivative_levels = (TransformType.Grad, TransformType.Jvp)
-    if sum(i.key() in derivative_levels for i in retrieve_all_functorch_interpreters()) > 1:
-        raise NotImplementedError(
-            f"{op.name().replace('::', '.')}: nested torch.func derivative transforms "
-            "(hessian, jacfwd(jacrev(f)), grad(grad(f))) are not supported; take second "
-            "derivatives with torch.autograd.grad(..., create_graph=True)"
-        )
-    with enable_single_level_autograd_function():
-        return apply(op, *args)
-
-
-def _forward_ad_active() -> bool:
-    """Whether forward mode may be on: a dual level is open, so an input may
-    carry a tangent (torch.func.jvp opens one too). Reverse mode is the
-    Autograd kernel's other reason to record: an input requires grad."""
-    return torch._C._is_fwd_grad_enabled() and torch.autograd.forward_ad._current_level >= 0
-
-
-_LIB = torch.library.Library("pt2e_fq", "IMPL")
-
-
-class _LearnableFunction(torch.autograd.Function):
-    """fake_quantize_affine_learnable with its LSQ / LSQ+ backward (one
-    kernel: dx, d scale, d offset). It saves x by reference (no copy, x's
-    own dtype) and the qparams; the backward kernel recomputes the clamp
-    mask from them, bit for bit the forward's. Reverse mode only."""
-
-    @staticmethod
-    def forward(op, x, block_size, scale, zero_point, quant_min, quant_max, grad_factor, minval=None):
-        return op(x, block_size, scale, zero_point, quant_min, quant_max, grad_factor, minval)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, x, block_size, scale, zero_point, quant_min, quant_max, grad_factor, *rest = inputs
-        ctx.save_for_backward(x, scale, zero_point, rest[0] if rest else None)
-        ctx.constants = (block_size, quant_min, quant_max, grad_factor)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, scale, zero_point, minval = ctx.saved_tensors
-        block_size, quant_min, quant_max, grad_factor = ctx.constants
-        dx, dscale, doffset = torch.ops.pt2e_fq.fake_quantize_affine_learnable_backward(
-            dy.contiguous(), x, block_size, scale, zero_point, quant_min, quant_max, grad_factor, minval
-        )
-        # Per-block gradients in each qparam's own shape (size-1 dimensions
-        # may be left out) and dtype; an integer zero point gets none.
-        def like(g, t, wanted):
-            return g.reshape(t.shape).to(t.dtype) if wanted and t.dtype.is_floating_point else None
-
-        needs = ctx.needs_input_grad
-        d_zero_point = like(doffset, zero_point, needs[4]) if zero_point is not None else None
-        d_minval = like(doffset, minval, needs[8]) if minval is not None else None
-        return None, dx, None, like(dscale, scale, needs[3]), d_zero_point, None, None, None, d_minval
-
-
-def _learnable_autograd(keyset, *args):
-    op = torch.ops.pt2e_fq.fake_quantize_affine_learnable.default
-    if (torch.is_grad_enabled() and torch._C._any_requires_grad(*args)) or _forward_ad_active():
-        # (Forward mode reaches the Function too, which says it has no jvp,
-        # rather than dropping a tangent without a word.)
-        return _single_level_apply(_LearnableFunction, op, *args)
-    with torch._C._AutoDispatchBelowAutograd():
-        return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
-
-
-_LIB.impl("fake_quantize_affine_learnable", _learnable_autograd, "Autograd", with_keyset=True)
 
 
 # ---------------------------------------------------------------------------
