@@ -482,3 +482,23 @@ def test_forward_mode_ad_is_refused_not_dropped():
     with forward_ad.dual_level(), pytest.raises(NotImplementedError, match="jvp"):
         ops.fake_quantize_affine_learnable(forward_ad.make_dual(x, torch.ones_like(x)), [4, 8], torch.tensor(0.1),
                                            None, -8, 7)
+
+
+def test_torch_func_grad_and_vmap_of_grad_match_the_reference():
+    # The C++ Autograd kernel runs at torch.func's level as ATen's do: the
+    # gradients with respect to x and scale are the reference's.
+    shape, block = (6, 70), [1, 32]
+    x, scale, zp, _, qmin, qmax = _case(shape, block, torch.float32, "random", seed=5)
+    dy = torch.randn(shape, generator=torch.Generator().manual_seed(6))
+    gf = ops.lsq_grad_factor(32, qmax)
+
+    def loss(x, scale):
+        return (ops.fake_quantize_affine_learnable(x, block, scale, zp, qmin, qmax) * dy).sum()
+
+    dx, dscale = torch.func.grad(loss, argnums=(0, 1))(x, scale)
+    rdx, rds, _ = reference.fake_quantize_affine_learnable_grads(x, block, scale, zp, qmin, qmax, gf, dy)
+    rdx = rdx.to(x.dtype)
+    assert_bits_equal(dx, rdx)
+    torch.testing.assert_close(dscale.double(), rds.reshape(dscale.shape), rtol=1e-4, atol=1e-5)
+    batched = torch.func.vmap(torch.func.grad(loss), in_dims=(0, None))(torch.stack([x, x]), scale)
+    assert_bits_equal(batched, torch.stack([rdx, rdx]))
