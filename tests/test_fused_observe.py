@@ -22,6 +22,7 @@ from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_qat_pt
 import pt2e_fq as q
 from conftest import FLOAT_DTYPES, assert_bits_equal
 from pt2e_fq import observe_ops
+from pt2e_fq.blocks import reduce_blocks, reduced_shape
 
 AFFINE_OBSERVE = torch.ops.pt2e_fq.fake_quantize_affine_observe.default
 FLOAT_OBSERVE = torch.ops.pt2e_fq.fake_quantize_float_observe.default
@@ -196,6 +197,54 @@ def test_a_block_that_stays_empty_keeps_qparams_of_zero_then_takes_its_first_fin
     x2 = torch.tensor([[3.0, -1.0], [math.nan, 4.0]])
     for observer in (q.MinMaxObserver(), q.MovingAverageMinMaxObserver(0.25), q.CurrentMinMaxObserver()):
         assert_same_steps(q.QSpec(q.INT8, q.PerChannel(0), "asymmetric", observer=observer), [x1, x1, x2, x2])
+
+
+def signed_zeros_batch(dtype):
+    """3 x 200: row 0 of both signs, row 1 >= 0, row 2 <= 0, each with +0 and
+    -0 at random positions (so zero is the minimum of row 1's blocks and the
+    maximum of row 2's), NaN / Inf sprinkled in, and a run of 40 NaN that
+    leaves a block of 32 empty: blocks long enough for several vector lanes
+    and iterations of the kernels' loops."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 200, generator=g)
+    x[1], x[2] = x[1].abs(), -x[2].abs()
+    pick = torch.rand(3, 200, generator=g)
+    x = torch.where(pick < 0.15, -0.0, torch.where(pick < 0.3, 0.0, x))
+    special = torch.tensor([math.nan, math.inf, -math.inf])
+    x = torch.where(torch.rand(3, 200, generator=g) < 0.1, special[torch.randint(0, 3, (3, 200), generator=g)], x)
+    x[0, :40] = math.nan
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("block_size", [[3, 200], [1, 200], [1, 32], [1, 5]], ids=str)
+def test_the_batch_range_puts_minus_zero_below_plus_zero_and_counts_the_nonfinite_values(dtype, block_size):
+    # torch.amin / amax return either zero of a block holding both, depending
+    # on positions; the op orders -0 below +0. Expected: torch.amin / amax
+    # of the finite values, the zero's sign then set from the block's zeros.
+    x = signed_zeros_batch(dtype)
+    shape = reduced_shape(x.shape, block_size)
+    args = affine_args(x=x, block_size=block_size, **state(shape))
+    args["min_val"].fill_(math.inf)  # a fresh range: the running range becomes the batch's
+    args["max_val"].fill_(-math.inf)
+    AFFINE_OBSERVE(*args.values())
+
+    xf = x.float()
+    finite = xf.isfinite()
+    def per_block(t, reduce, pad):
+        return reduce_blocks(t, block_size, reduce, pad)
+    lo = per_block(torch.where(finite, xf, math.inf), torch.amin, math.inf)
+    hi = per_block(torch.where(finite, xf, -math.inf), torch.amax, -math.inf)
+    zero = finite & (xf == 0)
+    has_minus_zero = per_block((zero & xf.signbit()).float(), torch.amax, 0.0) > 0
+    has_plus_zero = per_block((zero & ~xf.signbit()).float(), torch.amax, 0.0) > 0
+    lo = torch.where(lo == 0, torch.where(has_minus_zero, -0.0, 0.0), lo)
+    hi = torch.where(hi == 0, torch.where(has_plus_zero, 0.0, -0.0), hi)
+    if block_size[0] == 1:  # blocks of one row: zero is the min of row 1's, the max of row 2's
+        assert bool((lo[1] == 0).any() and (hi[2] == 0).any())
+    assert_bits_equal(args["min_val"], lo)
+    assert_bits_equal(args["max_val"], hi)
+    assert int(args["nonfinite"]) == int((~finite).sum())
 
 
 # ---------------------------------------------------------------------------

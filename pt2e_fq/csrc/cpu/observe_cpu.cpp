@@ -26,22 +26,36 @@ namespace {
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // Folds the finite values of x[0, n) into [lo, hi] and counts the others.
-// Branch-free, so the compiler vectorises it.
+// Min and max compare the order-preserving integers of observe.h: integer
+// min / max vectorise without -ffast-math (a float compare-and-select with a
+// NaN guard does not), and give the CUDA kernel's result whatever the
+// order, -0 below +0. The count runs in 32 bits, flushed every kSpan
+// elements (fewer than 2^32), for the same reason.
 template <typename T>
 PT2E_FQ_CLONES void finite_min_max(const T* __restrict__ x, int64_t n, float& lo, float& hi,
                                    int64_t& nonfinite) {
-  float l = lo, h = hi;
-  int64_t bad = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = load_f32(x[i]);
-    const bool finite = std::isfinite(v);
-    l = finite && v < l ? v : l;
-    h = finite && v > h ? v : h;
-    bad += !finite;
+  constexpr int64_t kSpan = int64_t{1} << 30;
+  uint32_t l = ordered(lo), h = ordered(hi);
+  for (int64_t s = 0; s < n; s += kSpan) {
+    const int64_t e = std::min(n, s + kSpan);
+    uint32_t bad = 0;
+    for (int64_t i = s; i < e; ++i) {
+      const float v = load_f32(x[i]);
+      // All ones for a finite v, else 0 (GCC 12 vectorises this, not a
+      // select on a bool): a non-finite v becomes both identities.
+      const uint32_t keep = 0u - static_cast<uint32_t>((f32_bits(v) & 0x7FFFFFFFu) < 0x7F800000u);
+      const uint32_t o = ordered(v);
+      const uint32_t ol = o | ~keep, oh = o & keep;
+      l = ol < l ? ol : l;
+      h = oh > h ? oh : h;
+      bad += keep + 1u;  // 0 for finite, 1 otherwise
+    }
+    nonfinite += bad;
   }
-  lo = l;
-  hi = h;
-  nonfinite += bad;
+  // lo / hi came in as ordered values (+-inf for an empty block), so l / h
+  // never stay at the NaN identities.
+  lo = unordered(l);
+  hi = unordered(h);
 }
 
 // Per block of L, the min and max of x's finite elements in [begin, end)
@@ -49,20 +63,10 @@ PT2E_FQ_CLONES void finite_min_max(const T* __restrict__ x, int64_t n, float& lo
 template <typename T>
 void fold_range(const T* x, const BlockLayout& L, int64_t begin, int64_t end, float* lo,
                 float* hi, int64_t& nonfinite) {
-  for_each_qparam_run(L, begin, end, [&](const QparamRun& run, bool one_block) {
-    if (one_block) {
-      finite_min_max(x + run.i, run.n, lo[run.b], hi[run.b], nonfinite);
-      return;
-    }
-    // Short blocks along the last dimension: the block changes every run.blk elements.
-    int64_t b = run.b, k = 0, first = run.blk - run.r;
-    while (k < run.n) {
-      const int64_t n = std::min(first, run.n - k);
-      finite_min_max(x + run.i + k, n, lo[b], hi[b], nonfinite);
-      k += n;
-      ++b;
-      first = run.blk;
-    }
+  for_each_row_run(L, begin, end, [&](const QparamRun& run) {
+    for_each_block_piece(run, [&](int64_t k, int64_t m, int64_t b) {
+      finite_min_max(x + run.i + k, m, lo[b], hi[b], nonfinite);
+    });
   });
 }
 

@@ -11,18 +11,6 @@
 namespace pt2e_fq::cuda {
 namespace {
 
-// fp32 -> uint32 in the same order (for non-NaN values): flip every bit of
-// a negative number, the sign bit of a positive one. 0xFFFFFFFF and 0 are
-// the images of NaNs, so they serve as the identities of min and max.
-__device__ __forceinline__ uint32_t ordered(float v) {
-  const uint32_t u = f32_bits(v);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-__device__ __forceinline__ float unordered(uint32_t u) {
-  return f32_from_bits((u & 0x80000000u) ? (u & 0x7FFFFFFFu) : ~u);
-}
-constexpr uint32_t kMinIdentity = 0xFFFFFFFFu, kMaxIdentity = 0u;
-
 // Each thread folds runs of kRun consecutive elements, flushing its partial
 // range with one atomic per block it touched: per-tensor and per-channel
 // blocks get one atomic per run, not per element.

@@ -27,6 +27,24 @@ PT2E_FQ_HD float div_by_scalar(float a, float b) {
 #endif
 }
 
+// fp32 -> uint32 in the same order (for non-NaN values), -0 below +0: flip
+// every bit of a negative number, the sign bit of a positive one. The batch
+// min / max of both kernels compare these (atomics on CUDA, vectorised integer
+// min / max on the CPU), so they do not depend on the order of the elements,
+// and a block holding both zeros has min -0 and max +0 on every device and
+// thread count (torch.amin / amax return either, depending on positions and
+// vector width). 0xFFFFFFFF and 0 are the images of NaNs, so they serve as
+// the identities of min and max. Written without a branch, so the host
+// compiler vectorises the loops that call it.
+PT2E_FQ_HD uint32_t ordered(float v) {
+  const uint32_t u = f32_bits(v);
+  return u ^ ((0u - (u >> 31)) | 0x80000000u);
+}
+PT2E_FQ_HD float unordered(uint32_t u) {
+  return f32_from_bits((u & 0x80000000u) ? (u & 0x7FFFFFFFu) : ~u);
+}
+constexpr uint32_t kMinIdentity = 0xFFFFFFFFu, kMaxIdentity = 0u;
+
 // torch.minimum / torch.maximum: NaN in either gives NaN.
 PT2E_FQ_HD float minimum_nan(float a, float b) {
   return (a != a || b != b) ? add_rn(a, b) : (b < a ? b : a);
