@@ -63,6 +63,45 @@ PT2E_FQ_CLONES void affine_tiles(const T* __restrict__ x, T* __restrict__ y,
   for (int64_t b = 0; b < (rest + 7) / 8; ++b) mask[2 * tiles + b] = static_cast<uint8_t>(bits >> (8 * b));
 }
 
+// One row run of whole tiles but maybe the last, when no tile straddles two
+// blocks: its blocks are `blk` long but the first, `first` long, and block b
+// of the run uses scale[b], ioff[b * istride], foff[b * fstride] (a stride
+// of 0 for a constant). The qparams are loaded once per block and broadcast,
+// with no scratch arrays to fill (for blocks of 32 those fills cost a quarter
+// of the time). The mask of the run starts on a byte.
+template <typename T>
+PT2E_FQ_CLONES void affine_blocks(const T* __restrict__ x, T* __restrict__ y,
+                                  uint8_t* __restrict__ mask, int64_t n, int64_t first,
+                                  int64_t blk, const float* scale, const float* ioff,
+                                  int64_t istride, const float* foff, int64_t fstride,
+                                  float qmin, float qmax) {
+  int64_t k = 0, b = 0, len = first;
+  while (k < n) {
+    const int64_t m = std::min(len, n - k);
+    const float s = scale[b], io = ioff[b * istride], fo = foff[b * fstride];
+    const int64_t tiles = m / kTile;
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t e = k + t * kTile;
+      const uint32_t bits = affine_tile<T, false>(x + e, y + e, &s, &io, &fo, qmin, qmax);
+      mask[e / 8] = static_cast<uint8_t>(bits);
+      mask[e / 8 + 1] = static_cast<uint8_t>(bits >> 8);
+    }
+    const int64_t rest = m - tiles * kTile;
+    if (rest) {  // the run's last, partial, tile through a padded copy; bits past n stay 0
+      const int64_t e = k + tiles * kTile;
+      T xt[kTile] = {}, yt[kTile];
+      std::copy(x + e, x + e + rest, xt);
+      const uint32_t bits =
+          affine_tile<T, false>(xt, yt, &s, &io, &fo, qmin, qmax) & ((1u << rest) - 1u);
+      std::copy(yt, yt + rest, y + e);
+      for (int64_t j = 0; j < (rest + 7) / 8; ++j) mask[e / 8 + j] = static_cast<uint8_t>(bits >> (8 * j));
+    }
+    k += m;
+    ++b;
+    len = blk;
+  }
+}
+
 // Whether every tile of every chunk lies in one block: blocks and rows
 // start on tile boundaries (or there is one of them).
 bool tiles_in_one_block(const BlockLayout& L) {
@@ -73,32 +112,37 @@ bool tiles_in_one_block(const BlockLayout& L) {
 template <typename T>
 void affine_chunk(const T* x, T* y, uint8_t* mask, int64_t begin, int64_t end,
                   const BlockLayout& L, const AffineQparams& qp, bool per_tile) {
+  if (per_tile) {
+    // Row runs start on tile boundaries (chunks and rows do), so their masks
+    // start on a byte.
+    static const float kZero = 0.0f;
+    const float* ioff = qp.ioff ? qp.ioff : &qp.ioff_const;
+    const float* foff = qp.foff ? qp.foff : &kZero;
+    const int64_t istride = qp.ioff ? 1 : 0, fstride = qp.foff ? 1 : 0;
+    for_each_row_run(L, begin, end, [&](const QparamRun& run) {
+      affine_blocks<T>(x + run.i, y + run.i, mask + run.i / 8, run.n, run.blk - run.r, run.blk,
+                       qp.scale + run.b, ioff + run.b * istride, istride,
+                       foff + run.b * fstride, fstride, qp.qmin, qp.qmax);
+    });
+    return;
+  }
   alignas(64) float s_buf[kChunk], i_buf[kChunk], f_buf[kChunk];
-  // Per tile, the pieces start on tile boundaries and all but the chunk's
-  // last end on one.
-  const int64_t unit = per_tile ? kTile : 1;
   for_each_row_run(L, begin, end, [&](const QparamRun& run) {
     for_each_block_piece(run, [&](int64_t k, int64_t m, int64_t b) {
-      const int64_t first = (run.i + k - begin) / unit, last = (run.i + k + m - begin + unit - 1) / unit;
+      const int64_t first = run.i + k - begin, last = first + m;
       std::fill(s_buf + first, s_buf + last, qp.scale[b]);
       std::fill(i_buf + first, i_buf + last, qp.ioff_at(b));
       std::fill(f_buf + first, f_buf + last, qp.foff_at(b));
     });
   });
-  if (!per_tile) {  // defined qparams for the padded last tile (its y is dropped)
-    const int64_t n = end - begin, padded = (n + kTile - 1) / kTile * kTile;
-    std::fill(s_buf + n, s_buf + padded, 1.0f);
-    std::fill(i_buf + n, i_buf + padded, 0.0f);
-    std::fill(f_buf + n, f_buf + padded, 0.0f);
-  }
+  // Defined qparams for the padded last tile (its y is dropped).
+  const int64_t n = end - begin, padded = (n + kTile - 1) / kTile * kTile;
+  std::fill(s_buf + n, s_buf + padded, 1.0f);
+  std::fill(i_buf + n, i_buf + padded, 0.0f);
+  std::fill(f_buf + n, f_buf + padded, 0.0f);
   // The mask of a chunk starts on a byte: kChunk is a multiple of 8.
-  if (per_tile) {
-    affine_tiles<T, false>(x + begin, y + begin, mask + begin / 8, end - begin, s_buf, i_buf,
-                           f_buf, qp.qmin, qp.qmax);
-  } else {
-    affine_tiles<T, true>(x + begin, y + begin, mask + begin / 8, end - begin, s_buf, i_buf,
-                          f_buf, qp.qmin, qp.qmax);
-  }
+  affine_tiles<T, true>(x + begin, y + begin, mask + begin / 8, n, s_buf, i_buf, f_buf, qp.qmin,
+                        qp.qmax);
 }
 
 }  // namespace
@@ -110,6 +154,12 @@ void check_qparam_values(const char* op, const AffineInputs& in,
                          const c10::optional<at::Tensor>& zero_point, int64_t quant_min,
                          int64_t quant_max) {
   check_scale_values(op, "scale", in.scale);
+  if (in.zp_is_const) {
+    TORCH_CHECK_VALUE(in.zp_const >= quant_min && in.zp_const <= quant_max, op,
+                      ": zero_point must lie in [quant_min, quant_max] = [", quant_min, ", ",
+                      quant_max, "], got zero_point[0] (flat index) = ",
+                      zero_point->reshape(-1)[0].item());
+  }
   if (in.zero_point.defined()) {
     const float* z = in.zero_point.data_ptr<float>();
     for (int64_t b = 0; b < in.zero_point.numel(); ++b) {
