@@ -40,6 +40,17 @@ std::vector<int64_t> squeezed(at::IntArrayRef s) {
   }
   return out;
 }
+
+// The value of a one-element CPU tensor of an integer dtype as fp32 (as
+// t.to(kFloat) rounds it); false, and nothing read, for other dtypes.
+bool read_int_scalar(const at::Tensor& t, float& out) {
+  bool ok = false;
+  AT_DISPATCH_INTEGRAL_TYPES(t.scalar_type(), "read_int_scalar", [&] {
+    out = static_cast<float>(*t.const_data_ptr<scalar_t>());
+    ok = true;
+  });
+  return ok;
+}
 }  // namespace
 
 BlockLayout check_x_and_block_size(const char* op, const at::Tensor& x,
@@ -85,7 +96,13 @@ AffineInputs prepare_affine_inputs(const at::Tensor& x, at::IntArrayRef block_si
   in.x = x.contiguous();
   in.layout = L;
   in.scale = qparam_as_float(x, scale, "scale", expected, op);
-  if (zero_point) {
+  if (zero_point && !float_zero_point && x.device().is_cpu() && zero_point->numel() == 1 &&
+      read_int_scalar(*zero_point, in.zp_const)) {
+    // Checks as qparam_as_float does, without its conversion.
+    check_qparam(x, *zero_point, "zero_point", expected, op, "ceil(x.shape / block_size)",
+                 /*floating=*/false);
+    in.zp_is_const = true;
+  } else if (zero_point) {
     in.zero_point = qparam_as_float(x, *zero_point, "zero_point", expected, op,
                                     "ceil(x.shape / block_size)", /*floating=*/false);
     if (zp_is_float) {
@@ -119,13 +136,15 @@ int64_t num_blocks(const BlockLayout& L) {
 
 AffineQparams affine_qparams(const AffineInputs& in, int64_t quant_min, int64_t quant_max) {
   const auto ptr = [](const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
-  return make_affine_qparams(ptr(in.scale), ptr(in.zero_point), ptr(in.minval), quant_min,
-                             quant_max);
+  AffineQparams qp = make_affine_qparams(ptr(in.scale), ptr(in.zero_point), ptr(in.minval),
+                                         quant_min, quant_max);
+  if (in.zp_is_const) qp.ioff_const = in.zp_const;
+  return qp;
 }
 
-at::Tensor qparam_as_float(const at::Tensor& x, const at::Tensor& t, const char* name,
-                           at::IntArrayRef expected, const char* op, const char* expected_what,
-                           bool floating) {
+void check_qparam(const at::Tensor& x, const at::Tensor& t, const char* name,
+                  at::IntArrayRef expected, const char* op, const char* expected_what,
+                  bool floating) {
   TORCH_CHECK(t.device() == x.device(), op, ": ", name, " is on ", t.device(), " but x is on ",
               x.device());
   TORCH_CHECK_VALUE(squeezed(t.sizes()) == squeezed(expected), op, ": ", name,
@@ -133,6 +152,12 @@ at::Tensor qparam_as_float(const at::Tensor& x, const at::Tensor& t, const char*
                     "; size-1 dimensions may be omitted), got ", shape_str(t.sizes()));
   TORCH_CHECK_TYPE(!floating || at::isFloatingType(t.scalar_type()), op, ": ", name,
                    " must be a floating-point tensor, got ", t.scalar_type());
+}
+
+at::Tensor qparam_as_float(const at::Tensor& x, const at::Tensor& t, const char* name,
+                           at::IntArrayRef expected, const char* op, const char* expected_what,
+                           bool floating) {
+  check_qparam(x, t, name, expected, op, expected_what, floating);
   return t.to(at::kFloat).contiguous();
 }
 

@@ -27,6 +27,11 @@ struct AffineInputs {
   at::Tensor x;
   BlockLayout layout;
   at::Tensor scale, zero_point, minval;
+  // A single-element integer zero point of the CPU op (not the learnable
+  // one's): its value, with zero_point left undefined. Reading it on the host
+  // spares a conversion to an fp32 tensor (a TensorIterator call, ~1 us).
+  bool zp_is_const = false;
+  float zp_const = 0.0f;
 };
 
 // Checks shapes and dtypes (never values: that would need a host sync on
@@ -64,6 +69,12 @@ std::vector<int64_t> reduced_shape(at::IntArrayRef size, at::IntArrayRef block_s
 // checked for an integer dtype by the caller), and the shape `expected`, where
 // size-1 dimensions may be omitted. `expected_what` names the expected shape
 // in the error message. Returns it as a contiguous fp32 tensor.
+// qparam_as_float's checks alone.
+void check_qparam(const at::Tensor& x, const at::Tensor& t, const char* name,
+                  at::IntArrayRef expected, const char* op,
+                  const char* expected_what = "ceil(x.shape / block_size)",
+                  bool floating = true);
+
 at::Tensor qparam_as_float(const at::Tensor& x, const at::Tensor& t, const char* name,
                            at::IntArrayRef expected, const char* op,
                            const char* expected_what = "ceil(x.shape / block_size)",
