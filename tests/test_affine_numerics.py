@@ -3,6 +3,10 @@ pure-torch reference, hand-checked ties and special values, and where ATen's
 fake-quant differs from true division. The comparisons with the reference
 run on every device in DEVICES (the reference on the CPU)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -128,3 +132,16 @@ def test_output_dtype_and_layout(dtype):
 def test_unpack_mask_inverts_reference_packing():
     mask = torch.rand(3, 11, generator=torch.Generator().manual_seed(0)) < 0.5
     assert torch.equal(ops.unpack_mask(reference.pack_mask(mask), mask.shape), mask)
+
+
+@pytest.mark.skipif(os.environ.get("PT2E_FQ_PORTABLE_CPU") == "1", reason="already the portable run")
+def test_the_portable_cpu_path_equals_reference_too():
+    # On a CPU with AVX-512 the kernel takes hand-written intrinsics for
+    # blocks that tiles do not straddle; PT2E_FQ_PORTABLE_CPU=1 turns them
+    # off, so this run checks the portable code that other CPUs take.
+    env = dict(os.environ, PT2E_FQ_PORTABLE_CPU="1")
+    tests = "op_equals_reference or every_quant_range or granularities or ties"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
+                         env=env, capture_output=True, text=True, cwd=os.path.dirname(__file__))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout

@@ -11,6 +11,7 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -40,19 +41,17 @@ __attribute__((always_inline)) inline uint32_t affine_tile(const T* __restrict__
   return bits;
 }
 
-// Elements [0, n) of a chunk and its mask bytes. Qparams are arrays with
-// one value per element (kPerElement) or per tile: the latter when no
-// tile straddles two blocks, which spares the kernel two thirds of its
-// qparam loads and the filling of the arrays.
-template <typename T, bool kPerElement>
+// Elements [0, n) of a chunk and its mask bytes, with one qparam value per
+// element (blocks that tiles straddle; `affine_blocks` takes the others).
+template <typename T>
 PT2E_FQ_CLONES void affine_tiles(const T* __restrict__ x, T* __restrict__ y,
                                  uint8_t* __restrict__ mask, int64_t n, const float* scale,
                                  const float* ioff, const float* foff, float qmin, float qmax) {
   const int64_t tiles = n / kTile;
   for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t q = kPerElement ? t * kTile : t;
-    const uint32_t bits = affine_tile<T, kPerElement>(x + t * kTile, y + t * kTile, scale + q,
-                                                      ioff + q, foff + q, qmin, qmax);
+    const int64_t q = t * kTile;
+    const uint32_t bits =
+        affine_tile<T, true>(x + q, y + q, scale + q, ioff + q, foff + q, qmin, qmax);
     mask[2 * t] = static_cast<uint8_t>(bits);
     mask[2 * t + 1] = static_cast<uint8_t>(bits >> 8);
   }
@@ -62,9 +61,9 @@ PT2E_FQ_CLONES void affine_tiles(const T* __restrict__ x, T* __restrict__ y,
   // whole tiles); bits past n stay 0.
   T xt[kTile] = {}, yt[kTile];
   std::copy(x + tiles * kTile, x + n, xt);
-  const int64_t q = kPerElement ? tiles * kTile : tiles;
-  const uint32_t bits = affine_tile<T, kPerElement>(xt, yt, scale + q, ioff + q, foff + q, qmin,
-                                                    qmax) & ((1u << rest) - 1u);
+  const int64_t q = tiles * kTile;
+  const uint32_t bits = affine_tile<T, true>(xt, yt, scale + q, ioff + q, foff + q, qmin,
+                                             qmax) & ((1u << rest) - 1u);
   std::copy(yt, yt + rest, y + tiles * kTile);
   for (int64_t b = 0; b < (rest + 7) / 8; ++b) mask[2 * tiles + b] = static_cast<uint8_t>(bits >> (8 * b));
 }
@@ -175,8 +174,12 @@ PT2E_FQ_V4 void affine_blocks_v4(const T* __restrict__ x, T* __restrict__ y,
   }
 }
 
+// PT2E_FQ_PORTABLE_CPU=1 turns the AVX-512 path off, so the tests can run
+// the portable one on a machine that has AVX-512 (tests/test_affine_numerics.py).
 bool have_v4() {
   static const bool v = [] {
+    const char* portable = std::getenv("PT2E_FQ_PORTABLE_CPU");
+    if (portable != nullptr && std::strcmp(portable, "1") == 0) return false;
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
@@ -230,8 +233,7 @@ void affine_chunk(const T* x, T* y, uint8_t* mask, int64_t begin, int64_t end,
   std::fill(i_buf + n, i_buf + padded, 0.0f);
   std::fill(f_buf + n, f_buf + padded, 0.0f);
   // The mask of a chunk starts on a byte: kChunk is a multiple of 8.
-  affine_tiles<T, true>(x + begin, y + begin, mask + begin / 8, n, s_buf, i_buf, f_buf, qp.qmin,
-                        qp.qmax);
+  affine_tiles<T>(x + begin, y + begin, mask + begin / 8, n, s_buf, i_buf, f_buf, qp.qmin, qp.qmax);
 }
 
 }  // namespace
