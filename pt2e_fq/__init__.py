@@ -9,8 +9,8 @@ from importlib.metadata import version as _metadata_version
 import torch  # noqa: F401  (loads the libraries _C links against)
 
 from . import _C  # noqa: F401  (registers the C++/CUDA operators)
-from . import ops  # noqa: F401  (registers fake and autograd implementations)
-from . import observe_ops  # noqa: F401  (the fused observe ops' fake and autograd implementations)
+from . import ops  # noqa: F401  (registers the fake implementations)
+from . import observe_ops  # noqa: F401  (the fused observe ops' fake implementations)
 from ._torchao_import import import_torchao
 
 import_torchao()  # before the modules that import torchao

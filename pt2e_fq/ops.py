@@ -24,6 +24,13 @@ from .formats import ELEMENTS, MX_BLOCK, NVFP4_BLOCK, element
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT16_MIN, _INT16_MAX = -(2**15), 2**15 - 1
 
+# The ops, looked up once (a torch.ops attribute chain costs ~0.3 us a call).
+_OP_AFFINE = torch.ops.pt2e_fq.fake_quantize_affine.default
+_OP_AFFINE_LEARNABLE = torch.ops.pt2e_fq.fake_quantize_affine_learnable.default
+_OP_FLOAT = torch.ops.pt2e_fq.fake_quantize_float.default
+_OP_MX = torch.ops.pt2e_fq.fake_quantize_mx.default
+_OP_NVFP4 = torch.ops.pt2e_fq.fake_quantize_nvfp4.default
+
 
 # Argument checks. The C++ kernels check every argument they read, so on the
 # success path a wrapper only calls its op (a Python check costs more than
@@ -121,7 +128,7 @@ def fake_quantize_affine_with_mask(
     """Like `fake_quantize_affine`, and also returns the bit-packed clamp mask
     (uint8, ceil(numel / 8) bytes; see `unpack_mask`)."""
     return _call(
-        torch.ops.pt2e_fq.fake_quantize_affine.default, _check_affine_args, block_size, (quant_min, quant_max),
+        _OP_AFFINE, _check_affine_args, block_size, (quant_min, quant_max),
         x, block_size, scale, zero_point, quant_min, quant_max, minval,
     )
 
@@ -260,7 +267,7 @@ def fake_quantize_affine_learnable(
     if type(grad_factor) is not float:  # e.g. a bool, which the op would take as 1.0
         _check_learnable_args(x, block_size, scale, zero_point, quant_min, quant_max, grad_factor, minval)
     return _call(
-        torch.ops.pt2e_fq.fake_quantize_affine_learnable.default, _check_learnable_args,
+        _OP_AFFINE_LEARNABLE, _check_learnable_args,
         block_size, (quant_min, quant_max), x, block_size, scale, zero_point, quant_min, quant_max, grad_factor,
         minval,
     )
@@ -414,7 +421,7 @@ def fake_quantize_float_with_mask(
     """Like `fake_quantize_float`, and also returns the bit-packed clamp mask."""
     fmt = _elem_format("pt2e_fq.fake_quantize_float", "dtype", dtype)
     return _call(
-        torch.ops.pt2e_fq.fake_quantize_float.default, _check_float_args, block_size, (), x, block_size, scale, fmt
+        _OP_FLOAT, _check_float_args, block_size, (), x, block_size, scale, fmt
     )
 
 
@@ -447,7 +454,7 @@ def fake_quantize_mx_with_scales(
     op = "pt2e_fq.fake_quantize_mx"
     fmt = _elem_format(op, "elem_dtype", elem_dtype)
     y, _, scales = _call(
-        torch.ops.pt2e_fq.fake_quantize_mx.default, lambda x, fmt, b, a: _check_axis_blocks(op, x, b, a),
+        _OP_MX, lambda x, fmt, b, a: _check_axis_blocks(op, x, b, a),
         block_size, (axis,), x, fmt, block_size, axis,
     )
     return y, scales
@@ -476,7 +483,7 @@ def fake_quantize_nvfp4_with_scales(
     fp32, x's shape with `axis` cut to ceil(size / 16)) and the fp32 global
     scale used (a 0-dim tensor)."""
     y, _, block_scales, used_global = _call(
-        torch.ops.pt2e_fq.fake_quantize_nvfp4.default, _check_nvfp4_args, (), (axis,), x, global_scale, axis
+        _OP_NVFP4, _check_nvfp4_args, (), (axis,), x, global_scale, axis
     )
     return y, block_scales, used_global
 
