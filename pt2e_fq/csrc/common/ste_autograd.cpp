@@ -27,6 +27,7 @@
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -52,6 +53,10 @@ struct SteBackward : public torch::autograd::TraceableFunction {
   variable_list apply(variable_list&& grads) override {
     const at::Tensor& dy = grads[0];
     if (!dy.defined()) return {at::Tensor()};
+    // No graph to build (backward without create_graph): straight to the
+    // kernel, past ste_grad's own Autograd kernel (~3 us of a 30 us step).
+    std::optional<at::AutoDispatchBelowADInplaceOrView> below;
+    if (!torch::autograd::GradMode::is_enabled()) below.emplace();
     return {ste_grad(dy, mask_.unpack())};
   }
 
