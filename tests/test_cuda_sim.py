@@ -2,7 +2,8 @@
 C++ with the simulation harness of tests/cuda_sim (blocks of fibers,
 lockstep warp collectives) under AddressSanitizer and UBSan, against the CPU
 kernels bit for bit: y, the packed mask, the block scales, the global scale,
-and the STE gradient. The harness stops on what would be undefined
+and the STE gradient; the fused observe kernels against the observers and
+CUDA's qparam arithmetic. The harness stops on what would be undefined
 behaviour on a GPU; the self-tests at the end show it does.
 
 Past 2^31 elements, the kernels run on sparse buffers and only the last
@@ -17,6 +18,7 @@ a tensor over 2^31 elements, real concurrency between warps and blocks.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import shutil
 import subprocess
@@ -32,8 +34,10 @@ from kernel_cases import (
 )
 
 from conftest import FLOAT_DTYPES, affine_cases, assert_bits_equal, make_case
-from pt2e_fq import ops, reference
+from pt2e_fq import observers, ops, reference
 from pt2e_fq.blocks import reduce_blocks
+from pt2e_fq.formats import ELEMENTS
+from pt2e_fq.qparams import int_range_limit
 
 ROOT = Path(__file__).resolve().parent.parent
 SIM = ROOT / "tests" / "cuda_sim"
@@ -224,6 +228,108 @@ def test_learnable_backward_kernel_equals_cpu_on_random_cases(driver, c):
     with tempfile.TemporaryDirectory() as tmp:
         learnable_backward(driver, Path(tmp), c.x.contiguous(), c.block_size, c.scale, c.zero_point, c.minval,
                            c.quant_min, c.quant_max, "aligned")
+
+
+# ---------------------------------------------------------------------------
+# The fused observe ops. The range state is compared with the observers'
+# torch ops (bit for bit: min, max and the moving average round alike on
+# any device). The qparams with a reference written here for CUDA's
+# arithmetic: ATen's CUDA kernels divide a tensor by a Python float by
+# multiplying with the float's fp32 reciprocal, and the kernels copy that
+# (the harness compiles the device branch); y and the mask with the CPU
+# static op on those qparams.
+
+SCHEMES = {"symmetric": 0, "asymmetric": 1, "minval": 2}
+
+
+def _by_cuda_scalar(t: torch.Tensor, b: float) -> torch.Tensor:
+    """ATen CUDA's `fp32 tensor / python float`: t * fp32(1 / fp32(b))."""
+    return t * (torch.tensor(1.0) / torch.tensor(b, dtype=torch.float32))
+
+
+def _cuda_affine_qparams(lo, hi, scheme, qmin, qmax, limit):
+    empty = lo > hi
+    lo, hi = torch.where(empty, 0.0, lo).clamp(-limit, limit), torch.where(empty, 0.0, hi).clamp(-limit, limit)
+    eps = torch.finfo(torch.float32).eps
+    if scheme == "minval":
+        return _by_cuda_scalar(hi - lo, float(qmax - qmin)).clamp(min=eps), lo
+    if scheme == "symmetric":
+        amax = torch.maximum(-lo.clamp(max=0), hi.clamp(min=0))
+        scale = _by_cuda_scalar(amax, (qmax - qmin) / 2).clamp(min=eps)
+        return scale, torch.full_like(scale, (qmin + qmax + 1) // 2, dtype=torch.int32)
+    min_neg = lo.clamp(max=0)
+    scale = _by_cuda_scalar(hi.clamp(min=0) - min_neg, float(qmax - qmin)).clamp(min=eps)
+    return scale, (qmin - torch.round(min_neg / scale).to(torch.int32)).clamp(qmin, qmax)
+
+
+def _observe_input(shape, dtype, seed):
+    """No exact zeros (the kernels keep -0.0 as a block's min, torch.amin
+    either zero); NaN and Inf here and there, and the first block all NaN."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * 3 + 0.25
+    x = torch.where(x == 0, 0.5, x).reshape(-1)
+    x[torch.randint(0, x.numel(), (3,), generator=g)] = float("nan")
+    x[torch.randint(0, x.numel(), (2,), generator=g)] = float("inf")
+    return x.reshape(shape).to(dtype)
+
+
+OBSERVE_VARIANTS = [  # shape, block
+    ((4, 70), (4, 70)),  # per-tensor
+    ((6, 50), (1, 50)),  # per-channel
+    ((3, 100), (1, 32)),  # per-group, ragged last group
+    ((2, 5, 9), (1, 5, 3)),  # 3-D blocks
+]
+
+
+@pytest.mark.parametrize("shape,block", OBSERVE_VARIANTS, ids=str)
+@pytest.mark.parametrize("kind", ["symmetric", "asymmetric", "minval", "e4m3", "e2m1"])
+@pytest.mark.parametrize("averaging", [None, 0.25])
+@pytest.mark.parametrize("dtype,placement", [(torch.float32, "aligned"), (torch.bfloat16, "misaligned"),
+                                             (torch.float16, "aligned")])
+def test_observe_kernels_equal_the_observers_and_cuda_qparams(driver, tmp_path, shape, block, kind, averaging,
+                                                              dtype, placement):
+    x = _observe_input(shape, dtype, seed=len(shape) + len(kind))
+    if kind == "minval" or kind == "asymmetric":
+        qmin, qmax = 0, 255
+    else:
+        qmin, qmax = -127, 127
+    # A running range from an earlier batch; block 0 never saw a finite value.
+    lo, hi = observers.block_min_max(_observe_input(shape, dtype, seed=99) * 0.5, block)
+    lo[(0,) * lo.dim()], hi[(0,) * hi.dim()] = math.inf, -math.inf
+    count = torch.tensor([5], dtype=torch.int64)
+    affine = kind in SCHEMES
+    fields = dict(block=",".join(map(str, block)), moving=int(averaging is not None), c=averaging or 0,
+                  kind="affine" if affine else kind)
+    limit = int_range_limit(dtype, qmin, qmax)
+    if affine:
+        fields.update(scheme=SCHEMES[kind], qmin=qmin, qmax=qmax, range_limit=repr(limit))
+    case = Case(tmp_path, "observe", "observe", x, placement, **fields)
+    case.put("min_val.bin", lo)
+    case.put("max_val.bin", hi)
+    case.put("nonfinite.bin", count)
+    offset_dtype = torch.float32 if kind == "minval" else torch.int32
+    if affine:
+        case.put("offset.bin", torch.zeros(lo.shape, dtype=offset_dtype))
+    simulate(driver, case)
+
+    observer = observers.MinMaxObserver() if averaging is None else observers.MovingAverageMinMaxObserver(averaging)
+    lo_ref, hi_ref = observer.update((lo, hi), observers.block_min_max(x, block))
+    assert_bits_equal(case.output("min_val_out.bin", torch.float32, lo.shape), lo_ref)
+    assert_bits_equal(case.output("max_val_out.bin", torch.float32, hi.shape), hi_ref)
+    assert int(case.output("nonfinite_out.bin", torch.int64, (1,))) == 5 + int((~torch.isfinite(x)).sum())
+    if affine:
+        scale_ref, offset_ref = _cuda_affine_qparams(lo_ref, hi_ref, kind, qmin, qmax, limit)
+        zp, minval = (None, offset_ref) if kind == "minval" else (offset_ref, None)
+        y_ref, mask_ref = torch.ops.pt2e_fq.fake_quantize_affine(x, list(block), scale_ref, zp, qmin, qmax, minval)
+        assert_bits_equal(case.output("offset_out.bin", offset_dtype, lo.shape), offset_ref)
+    else:
+        empty = lo_ref > hi_ref
+        amax = torch.maximum(torch.where(empty, 0.0, lo_ref).abs(), torch.where(empty, 0.0, hi_ref).abs())
+        scale_ref = _by_cuda_scalar(amax, ELEMENTS[kind].fmax).clamp(min=torch.finfo(torch.float32).tiny)
+        y_ref, mask_ref = torch.ops.pt2e_fq.fake_quantize_float(x, list(block), scale_ref, kind)
+    assert_bits_equal(case.output("scale_out.bin", torch.float32, lo.shape), scale_ref)
+    assert_bits_equal(case.output("y.bin", x.dtype, x.shape), y_ref)
+    assert torch.equal(case.mask(), mask_ref), "packed mask differs"
 
 
 @pytest.mark.parametrize(

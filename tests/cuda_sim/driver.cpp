@@ -5,6 +5,8 @@
 // exactly the bytes the binding allocates, so AddressSanitizer stops an
 // access past either end. `offset` (bytes) shifts x / dy and y / dx off
 // malloc's 16-byte alignment, as a tensor view at an odd offset would.
+// `op=observe` runs a fused observe op on a running range, qparams and a
+// non-finite count read from files, and writes them back updated.
 // `tail` (elements, affine and ste only): x / dy hold only the tensor's last
 // `tail` elements and only those of y / dx and the mask are written back;
 // with PT2E_FQ_SIM_LAST_BLOCKS that tests 64-bit indexing past 2^31
@@ -27,6 +29,7 @@
 #include "pt2e_fq/affine.h"
 #include "pt2e_fq/block_layout.h"
 #include "pt2e_fq/mask_bits.h"
+#include "pt2e_fq/observe.h"
 #include "selftest_kernels.h"
 
 namespace {
@@ -191,6 +194,50 @@ void run_case(const Case& c) {
     save(dx.data, data_bytes, c.path("dx.bin"));
     save(dscale.data, qbytes, c.path("dscale.bin"));
     save(doffset.data, qbytes, c.path("doffset.bin"));
+    return;
+  }
+
+  if (op == "observe") {  // the fused observe ops: range update, qparams, then y and the mask
+    const std::vector<int64_t> block = c.list("block");
+    BlockLayout layout;
+    if (!make_block_layout(shape.data(), block.data(), ndim, layout)) die(c.dir + ": block layout");
+    int64_t nblocks = 1;
+    for (int d = 0; d < layout.ndim; ++d) nblocks *= (layout.size[d] + layout.block[d] - 1) / layout.block[d];
+    const size_t qbytes = static_cast<size_t>(nblocks) * 4;
+    const bool moving = c.num("moving") != 0;
+    const RangeUpdate update{moving, moving ? std::stof(c.get("c")) : 0.0f};
+    Buffer x(data_bytes, offset), y(data_bytes, offset), mask(mask_word_bytes);
+    Buffer lo(qbytes), hi(qbytes), scale(qbytes), off(qbytes), ioff(qbytes), count(8);
+    Buffer scratch(static_cast<size_t>(cuda::observe_scratch_words(nblocks)) * 4);
+    load(x, c.path("x.bin"));
+    load(lo, c.path("min_val.bin"));
+    load(hi, c.path("max_val.bin"));
+    load(count, c.path("nonfinite.bin"));
+    const std::string kind = c.get("kind");
+    if (kind == "affine") {
+      const auto scheme = static_cast<AffineScheme>(c.num("scheme"));
+      const bool minval = scheme == AffineScheme::kMinval;
+      const AffineRangeParams p{scheme, static_cast<int32_t>(c.num("qmin")), static_cast<int32_t>(c.num("qmax")),
+                                std::stof(c.get("range_limit"))};
+      load(off, c.path("offset.bin"));
+      check(cuda::launch_fake_quantize_affine_observe(
+                type, x.data, y.data, mask.as<uint32_t>(), numel, layout, nblocks, update, p, lo.as<float>(),
+                hi.as<float>(), scale.as<float>(), minval ? nullptr : off.as<int32_t>(),
+                minval ? off.as<float>() : nullptr, ioff.as<float>(), count.as<int64_t>(), scratch.as<uint32_t>(),
+                nullptr), c);
+      save(off.data, qbytes, c.path("offset_out.bin"));
+    } else {
+      check(cuda::launch_fake_quantize_float_observe(
+                type, elem_format(kind), x.data, y.data, mask.as<uint32_t>(), numel, layout, nblocks, update,
+                lo.as<float>(), hi.as<float>(), scale.as<float>(), count.as<int64_t>(), scratch.as<uint32_t>(),
+                nullptr), c);
+    }
+    save(y.data, data_bytes, c.path("y.bin"));
+    save(mask.data, mask_bytes, c.path("mask.bin"));
+    save(lo.data, qbytes, c.path("min_val_out.bin"));
+    save(hi.data, qbytes, c.path("max_val_out.bin"));
+    save(scale.data, qbytes, c.path("scale_out.bin"));
+    save(count.data, 8, c.path("nonfinite_out.bin"));
     return;
   }
 
