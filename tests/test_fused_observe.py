@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_qat_pt2e
 
 import pt2e_fq as q
-from conftest import FLOAT_DTYPES, assert_bits_equal
+from conftest import DEVICES, FLOAT_DTYPES, assert_bits_equal
 from pt2e_fq import observe_ops
 from pt2e_fq.blocks import reduce_blocks, reduced_shape
 
@@ -65,17 +65,19 @@ def step(fq, x):
         y = fq(x)
     fused = calls.last(FUSED)
     out = fused if fused is not None else calls.last(STATIC)
-    y.backward(torch.linspace(-1, 1, y.numel()).reshape(y.shape).to(y.dtype))
+    y.backward(torch.linspace(-1, 1, y.numel()).reshape(y.shape).to(y.device, y.dtype))
     return y.detach(), x.grad, out[1], fused is not None
 
 
-def assert_same_steps(spec, xs):
-    """Runs xs through a fused point and its unfused copy; every step after
-    the first (which sizes the state) must take the fused op and agree bit
-    for bit."""
-    fq = q.FakeQuantize(spec)
+def assert_same_steps(spec, xs, device="cpu"):
+    """Runs xs through a fused point and its unfused copy on `device`; every
+    step after the first (which sizes the state) must take the fused op and
+    agree bit for bit. (On CUDA both sides divide by a Python float as ATen's
+    CUDA kernels do, times the reciprocal.)"""
+    fq = q.FakeQuantize(spec).to(device)
     ref = unfused(fq)
     for i, x in enumerate(xs):
+        x = x.to(device)
         try:
             y_ref, dx_ref, mask_ref, ref_fused = step(ref, x)
         except ValueError as e:  # a range that overflows fp32 gives an Inf scale, refused by the op
@@ -182,14 +184,15 @@ def test_fused_steps_match_the_unfused_path_bit_for_bit(data):
     dict(format=q.FP4_E2M1),
 ], ids=lambda f: f"{f['format']!r}-{f.get('scheme', '')}-{f.get('formulation', '')}")
 @pytest.mark.parametrize("granularity", [q.PerTensor(), q.PerChannel(1), q.PerGroup(24, 1)], ids=repr)
-def test_qat_steps_on_larger_inputs_match(dtype, fields, granularity):
+@pytest.mark.parametrize("device", DEVICES)
+def test_qat_steps_on_larger_inputs_match(dtype, fields, granularity, device):
     # Large enough for several threads and for blocks of >= 16 along a row
     # (the CPU kernel's other code path); the last group of 24 is ragged.
     g = torch.Generator().manual_seed(1)
     xs = [(torch.randn(33, 200, generator=g) * s + s).to(dtype) for s in (1.0, 3.0, 0.5, 7.0)]
     xs[2][5, 7] = math.nan
     spec = q.QSpec(granularity=granularity, observer=q.MovingAverageMinMaxObserver(0.1), **fields)
-    assert_same_steps(spec, xs)
+    assert_same_steps(spec, xs, device)
 
 
 def test_a_block_that_stays_empty_keeps_qparams_of_zero_then_takes_its_first_finite_range():
