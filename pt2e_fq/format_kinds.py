@@ -232,8 +232,7 @@ class _Integer(FormatKind):
             scheme = "asymmetric" if spec.scheme is Scheme.ASYMMETRIC else "symmetric"
             offset = state["zero_point"]
         # The op itself: FakeQuantize passes its own, shape-checked state, and
-        # the op's C++ checks (the wrapper's, word for word) would still catch
-        # a mistake; the wrapper's Python checks cost a third of the step.
+        # the op's C++ checks would still catch a mistake.
         return torch.ops.pt2e_fq.fake_quantize_affine_observe(
             x, list(block_size), state["min_val"], state["max_val"], state["scale"], offset, state["nonfinite"],
             qmin, qmax, scheme, int_range_limit(x.dtype, qmin, qmax), averaging_constant,
