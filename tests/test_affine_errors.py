@@ -188,3 +188,12 @@ def test_ste_grad_names_the_argument(grad, mask, exc, text):
     with pytest.raises(exc) as info:
         torch.ops.pt2e_fq.ste_grad(grad, mask)
     assert text in str(info.value)
+
+
+def test_a_nan_scale_reads_nan_whatever_its_sign_bit():
+    # Inf - Inf (an overflowed range) may give a NaN with its sign bit set;
+    # the message must not depend on it (the fused and unfused paths compare).
+    negative_nan = -torch.tensor([float("nan")])
+    assert torch.signbit(negative_nan).item()
+    with pytest.raises(ValueError, match=r"scale\[0\] \(flat index\) = nan$"):
+        torch.ops.pt2e_fq.fake_quantize_affine(torch.randn(4), [4], negative_nan, None, -8, 7, None)

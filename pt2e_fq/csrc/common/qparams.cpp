@@ -164,9 +164,11 @@ at::Tensor qparam_as_float(const at::Tensor& x, const at::Tensor& t, const char*
 void check_scale_values(const char* op, const char* name, const at::Tensor& scale) {
   const float* s = scale.data_ptr<float>();
   for (int64_t b = 0; b < scale.numel(); ++b) {
+    // A NaN reads "nan" whatever its sign bit, which the arithmetic that made
+    // it (an overflowed range, Inf - Inf) may or may not have set.
     TORCH_CHECK_VALUE(s[b] > 0.0f && s[b] <= std::numeric_limits<float>::max(), op,
                       ": ", name, " must be finite and > 0, got ", name, "[",
-                      b, "] (flat index) = ", s[b]);
+                      b, "] (flat index) = ", std::isnan(s[b]) ? std::nanf("") : s[b]);
   }
 }
 
