@@ -141,6 +141,18 @@ void check(cudaError_t e, const Case& c) {
   if (e != cudaSuccess) die(c.dir + ": launcher returned error " + std::to_string(e));
 }
 
+// The case's block layout (its "block" key over its shape) and the number of
+// blocks, which sizes the qparam buffers of every blocked op.
+BlockLayout case_block_layout(const Case& c, const std::vector<int64_t>& shape, int64_t& nblocks) {
+  const std::vector<int64_t> block = c.list("block");
+  BlockLayout layout;
+  if (!make_block_layout(shape.data(), block.data(), static_cast<int>(shape.size()), layout))
+    die(c.dir + ": block layout");
+  nblocks = 1;
+  for (int d = 0; d < layout.ndim; ++d) nblocks *= (layout.size[d] + layout.block[d] - 1) / layout.block[d];
+  return layout;
+}
+
 void run_case(const Case& c) {
   const std::string op = c.get("op");
   size_t esize = 0;
@@ -168,11 +180,8 @@ void run_case(const Case& c) {
   }
 
   if (op == "lsq") {  // the learnable op's backward: dx, d scale, d offset
-    const std::vector<int64_t> block = c.list("block");
-    BlockLayout layout;
-    if (!make_block_layout(shape.data(), block.data(), ndim, layout)) die(c.dir + ": block layout");
-    int64_t nblocks = 1;
-    for (int d = 0; d < layout.ndim; ++d) nblocks *= (layout.size[d] + layout.block[d] - 1) / layout.block[d];
+    int64_t nblocks = 0;
+    const BlockLayout layout = case_block_layout(c, shape, nblocks);
     const size_t qbytes = static_cast<size_t>(numel > 0 ? nblocks : 0) * 4;
     const bool has_zp = c.num("zp") != 0, has_minval = c.num("minval") != 0;
     Buffer x(data_bytes, offset), dy(data_bytes, offset), dx(data_bytes, offset);
@@ -198,11 +207,8 @@ void run_case(const Case& c) {
   }
 
   if (op == "observe") {  // the fused observe ops: range update, qparams, then y and the mask
-    const std::vector<int64_t> block = c.list("block");
-    BlockLayout layout;
-    if (!make_block_layout(shape.data(), block.data(), ndim, layout)) die(c.dir + ": block layout");
-    int64_t nblocks = 1;
-    for (int d = 0; d < layout.ndim; ++d) nblocks *= (layout.size[d] + layout.block[d] - 1) / layout.block[d];
+    int64_t nblocks = 0;
+    const BlockLayout layout = case_block_layout(c, shape, nblocks);
     const size_t qbytes = static_cast<size_t>(nblocks) * 4;
     const bool moving = c.num("moving") != 0;
     const RangeUpdate update{moving, moving ? std::stof(c.get("c")) : 0.0f};
@@ -244,11 +250,8 @@ void run_case(const Case& c) {
   Buffer x(data_bytes, offset, sparse), y(data_bytes, offset, sparse), mask(mask_word_bytes, 0, sparse);
   load(x, c.path("x.bin"), tail_bytes);
   if (op == "affine" || op == "float") {
-    const std::vector<int64_t> block = c.list("block");
-    BlockLayout layout;
-    if (!make_block_layout(shape.data(), block.data(), ndim, layout)) die(c.dir + ": block layout");
-    int64_t nblocks = 1;
-    for (int d = 0; d < layout.ndim; ++d) nblocks *= (layout.size[d] + layout.block[d] - 1) / layout.block[d];
+    int64_t nblocks = 0;
+    const BlockLayout layout = case_block_layout(c, shape, nblocks);
     const size_t qbytes = static_cast<size_t>(nblocks) * 4;
     Buffer scale(qbytes);
     load(scale, c.path("scale.bin"));
