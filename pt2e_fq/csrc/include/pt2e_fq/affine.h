@@ -40,6 +40,26 @@ inline AffineQparams make_affine_qparams(const float* scale, const float* zero_p
           static_cast<float>(quant_max)};
 }
 
+// LSQ's gradient scale for the qparams of a block of n elements,
+// 1 / sqrt(n * quant_max) (Esser et al. 2020, section 2.2): in double,
+// rounded once to fp32, the same bits on the host and the device.
+PT2E_FQ_HD float lsq_grad_factor(int64_t block_numel, int64_t quant_max) {
+  return static_cast<float>(1.0 / sqrt(static_cast<double>(block_numel) *
+                                       static_cast<double>(quant_max)));
+}
+
+// The factor of the learnable op's per-block gradients: the caller's
+// `value` for every block, or (lsq_default) LSQ's for each block's own
+// element count, so a ragged last block gets its own, not the full blocks'.
+struct GradFactor {
+  bool lsq_default;
+  float value;
+  int64_t quant_max;
+  PT2E_FQ_HD float for_block(int64_t block_numel) const {
+    return lsq_default ? lsq_grad_factor(block_numel, quant_max) : value;
+  }
+};
+
 PT2E_FQ_HD float fake_quantize_affine_one(float x, float scale, float ioff, float foff,
                                           float qmin, float qmax, bool& in_range) {
   const float q = add_rn(round_half_even(div_rn(sub_rn(x, foff), scale)), ioff);
