@@ -31,6 +31,7 @@ from typing import Callable, Optional
 import torch
 
 import pt2e_fq  # before torchao: it quiets torchao's import-time log lines about its C++ libraries
+import pt2e_fq.reference
 import torchao
 from tabulate import tabulate
 from torchao.quantization.qat import IntxFakeQuantizeConfig, initialize_fake_quantizers
@@ -121,17 +122,20 @@ def ours_fp8(x, p):
 def learnable_qparams(x, block_size, qrange):
     """affine_qparams as leaves that require grad, the zero point fp32 (LSQ+
     learns it: both our op and torch's differentiate it), and LSQ's
-    grad_factor."""
+    grad_factor for torch's op (ours computes it: grad_factor None; every
+    block here is full, so it is one number)."""
     p = affine_qparams(x, block_size, qrange)
     p["scale"] = p["scale"].requires_grad_()
     p["zero_point"] = p["zero_point"].float().requires_grad_()
-    p["grad_factor"] = pt2e_fq.ops.lsq_grad_factor(pt2e_fq.ops.block_numel(x.shape, block_size), qrange[1])
+    factors = pt2e_fq.reference.lsq_grad_factors(x.shape, block_size, qrange[1]).unique()
+    assert factors.numel() == 1, "a ragged block: torch's learnable ops take one grad_factor"
+    p["grad_factor"] = float(factors)
     return p
 
 
 def ours_learnable(x, p):
     return pt2e_fq.ops.fake_quantize_affine_learnable(x, p["block_size"], p["scale"], p["zero_point"], p["qmin"],
-                                                      p["qmax"], p["grad_factor"])
+                                                      p["qmax"])
 
 
 # ---------------------------------------------------------------------------

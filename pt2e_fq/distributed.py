@@ -61,19 +61,21 @@ def check_ranks_agree(
     model: torch.nn.Module, group: Optional["dist.ProcessGroup"] = None, *, synced_only: bool = False
 ) -> None:
     """Debug check, a collective every rank must call: raises RuntimeError on
-    every rank, naming the buffers, when any FakeQuantize buffer (qparams,
-    running range) differs between the ranks of `group` (default: the
-    observers' group, else the world). `synced_only`: only the points whose
-    observers synchronise (the others, weight points, recompute their qparams
-    from the weights at the next observed forward). Two all-reduces for the
-    whole model (the sizes, then the values); a NaN reads as a difference."""
+    every rank, naming them, when any FakeQuantize qparam (a buffer, or a
+    learnable point's Parameter) or running range differs between the ranks
+    of `group` (default: the observers' group, else the world). `synced_only`:
+    only the points whose observers synchronise (the others, weight points,
+    recompute their qparams from the weights at the next observed forward,
+    and DDP's construction broadcasts rank 0's Parameters, learned qparams
+    included). Two all-reduces for the whole model (the sizes, then the
+    values); a NaN reads as a difference."""
     group = _group_or_default(group, "check_ranks_agree")
     named = [
-        (f"{path}.{name}" if path else name, m._buffers[name])
+        (f"{path}.{name}" if path else name, m._state(name))
         for path, m in _points(model)
-        if not synced_only or m._observer.keeps_range
         for name in m._qparam_buffer_names() + ("min_val", "max_val")
-        if m._buffers.get(name) is not None
+        if not synced_only or m._observer.keeps_range
+        if m._state(name) is not None
     ]
     if not named:
         return
@@ -148,15 +150,21 @@ def ddp(model: torch.nn.Module, **ddp_kwargs) -> torch.nn.parallel.DistributedDa
 
 
 def broadcast_buffers(model: torch.nn.Module, src: int = 0, group: Optional["dist.ProcessGroup"] = None) -> None:
-    """A collective every rank must call: every buffer of `model` becomes
+    """A collective every rank must call: every buffer of `model`, and the
+    learned qparams (Parameters) of its learnable fake-quant points, become
     rank `src`'s (group rank). Call it before freeze_qat or an evaluation
     that observes: DDP broadcasts rank 0's buffers before each forward, and
     each rank's batch then updates its own batch-norm running statistics,
     which a conv-bn's weight fake-quant reads in QAT; without this the
-    ranks freeze different weight qparams. One broadcast per buffer."""
+    ranks freeze different weight qparams. A learned scale that drifted
+    apart (trained before DDP wrapped the model, or by a rank's own
+    optimizer step) is made equal too; the model's other Parameters are
+    DDP's to keep equal and are left alone. One broadcast per tensor."""
     group = _group_or_default(group, "broadcast_buffers")
-    for buf in model.buffers():
-        dist.broadcast(buf, group_src=src, group=group)
+    learned = [p for _, m in _points(model) for p in m._parameters.values() if p is not None]
+    with torch.no_grad():  # in place into the Parameters, which autograd must not record
+        for t in list(model.buffers()) + learned:
+            dist.broadcast(t, group_src=src, group=group)
 
 
 def checkpoint_state_dict(model: torch.nn.Module, checkpoint_id: Union[str, os.PathLike]) -> dict:

@@ -199,34 +199,17 @@ def unpack_mask(mask: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
 _LEARNABLE_OP = "pt2e_fq.fake_quantize_affine_learnable"
 
 
-def lsq_grad_factor(block_numel: int, quant_max: int) -> float:
-    """The LSQ paper's gradient scale of a block's qparams,
-    1 / sqrt(block_numel * quant_max) (Esser et al. 2020, section 2.2): it
-    keeps the step size's update in proportion to its value whatever the
-    block's size and bit width."""
-    if not isinstance(block_numel, int) or block_numel < 1:
-        raise ValueError(f"lsq_grad_factor: block_numel must be an int >= 1, got {block_numel!r}")
-    if not isinstance(quant_max, int) or quant_max < 1:
-        raise ValueError(
-            f"lsq_grad_factor: quant_max must be an int >= 1 (the positive levels of the range), got {quant_max!r}; "
-            "pass grad_factor explicitly for a range without positive levels"
-        )
-    return 1.0 / math.sqrt(block_numel * quant_max)
-
-
-def block_numel(shape: Sequence[int], block_size: Sequence[int]) -> int:
-    """Elements in a full block of x (the first one; a ragged last block
-    has fewer)."""
-    n = 1
-    for s, b in zip(shape, block_size):
-        n *= max(1, min(int(s), int(b)))
-    return n
-
-
 def _check_learnable_args(x, block_size, scale, zero_point, quant_min, quant_max, grad_factor, minval) -> None:
     _check_affine_args(x, block_size, scale, zero_point, quant_min, quant_max, minval, _LEARNABLE_OP, True)
+    if grad_factor is None:
+        if quant_max < 1:
+            raise ValueError(
+                f"{_LEARNABLE_OP}: the default grad_factor, LSQ's 1 / sqrt(block_numel * quant_max), needs "
+                f"quant_max >= 1 (positive levels), got quant_max={quant_max}; pass grad_factor explicitly"
+            )
+        return
     if not isinstance(grad_factor, (int, float)) or isinstance(grad_factor, bool):
-        raise TypeError(f"{_LEARNABLE_OP}: grad_factor must be a float, got {type(grad_factor).__name__}")
+        raise TypeError(f"{_LEARNABLE_OP}: grad_factor must be a float or None, got {type(grad_factor).__name__}")
     if not (math.isfinite(grad_factor) and grad_factor > 0):
         raise ValueError(f"{_LEARNABLE_OP}: grad_factor must be finite and > 0, got {grad_factor}")
 
@@ -255,16 +238,16 @@ def fake_quantize_affine_learnable(
     offset the integer offset (zero point, or quant_min for MINVAL). A
     floating zero_point is used as round_half_even(clamp(zero_point,
     quant_min, quant_max)); an integer one gets no gradient. grad_factor
-    defaults to 1 / sqrt(block_numel * quant_max) (`lsq_grad_factor`) with
-    block_numel the elements of a full block. The sums are fp32 in an
-    order fixed by the sizes (the same bits for any thread count). NaN in x
-    gives a NaN d scale for its block.
+    None (the default) is the LSQ paper's per block,
+    1 / sqrt(block_numel * quant_max) with block_numel that block's own
+    element count (a ragged last block has fewer), computed by the kernel;
+    a float applies to every block as given. The sums are fp32 in an order
+    fixed by the sizes (the same bits for any thread count). NaN in x gives
+    a NaN d scale for its block.
     """
-    if grad_factor is None:
-        grad_factor = lsq_grad_factor(block_numel(x.shape, block_size), quant_max)
     if type(grad_factor) is int:  # the op takes a float
         grad_factor = float(grad_factor)
-    if type(grad_factor) is not float:  # e.g. a bool, which the op would take as 1.0
+    if grad_factor is not None and type(grad_factor) is not float:  # e.g. a bool, which the op would take as 1.0
         _check_learnable_args(x, block_size, scale, zero_point, quant_min, quant_max, grad_factor, minval)
     return _call(
         _OP_AFFINE_LEARNABLE, _check_learnable_args,

@@ -53,8 +53,8 @@ class QSpec:
         off (scale; a floating zero point under ASYMMETRIC ZP; minval under
         MINVAL). convert freezes them into buffers.
     grad_factor: the learnable qparams' gradient scale; None: LSQ's
-        1 / sqrt(block_numel * quant_max), block_numel the elements of a
-        full block of the input.
+        1 / sqrt(block_numel * quant_max) per block, block_numel that
+        block's own element count (a ragged last block has fewer).
     """
 
     format: Format = INT8

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .blocks import expand_blocks
+from .blocks import expand_blocks, reduce_blocks
 from .float_cast import cast_float
 from .formats import ELEMENTS, NVFP4_BLOCK
 
@@ -160,6 +160,14 @@ def fake_quantize_nvfp4(x: torch.Tensor, global_scale: Optional[torch.Tensor] = 
 # Learnable ranges (LSQ, Esser et al. 2020; LSQ+, Bhalgat et al. 2020).
 
 
+def lsq_grad_factors(shape: Sequence[int], block_size: Sequence[int], quant_max: int) -> torch.Tensor:
+    """LSQ's default gradient scale of each block's qparams, float64 of the
+    reduced shape: 1 / sqrt(n * quant_max) with n the block's own element
+    count (a ragged last block has fewer than the others)."""
+    counts = reduce_blocks(torch.ones(tuple(shape), dtype=torch.float64), block_size, torch.sum, 0.0)
+    return 1.0 / torch.sqrt(counts * quant_max)
+
+
 def fake_quantize_affine_learnable_grads(
     x: torch.Tensor,
     block_size: Sequence[int],
@@ -167,7 +175,7 @@ def fake_quantize_affine_learnable_grads(
     zero_point: Optional[torch.Tensor],
     quant_min: int,
     quant_max: int,
-    grad_factor: float,
+    grad_factor: Optional[float],
     dy: torch.Tensor,
     minval: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -175,7 +183,8 @@ def fake_quantize_affine_learnable_grads(
     LSQ+ forward with round taken straight through, as the papers write it
     (`round_pass`), the clamp's own derivative (1 inside [quant_min,
     quant_max], limits included, 0 outside), and the per-block gradients
-    times grad_factor. d offset is minval's (MINVAL) or the zero point's
+    times grad_factor (None: `lsq_grad_factors`, per block). d offset is
+    minval's (MINVAL) or the zero point's
     (ZP, the zero point rounded half to even after clamping, straight
     through); scale and offset have the reduced shape.
 
@@ -210,5 +219,7 @@ def fake_quantize_affine_learnable_grads(
     y = (torch.clamp(r + int_off, quant_min, quant_max) - int_off) * expand(s) + float_off
     leaves = [x64, s] + ([off] if off is not None else [])
     grads = torch.autograd.grad(y, leaves, dy.to(f64))
+    if grad_factor is None:
+        grad_factor = lsq_grad_factors(shape, block_size, quant_max).reshape(grads[1].shape)
     doff = grads[2] * grad_factor if off is not None else torch.zeros_like(grads[1])
     return grads[0], grads[1] * grad_factor, doff

@@ -189,16 +189,19 @@ def test_affine_kernel_equals_cpu_on_random_cases(driver, c):
         assert_forward_and_backward(driver, Path(tmp), case, expected, "aligned")
 
 
-def learnable_backward(driver, root, x, block, scale, zero_point, minval, qmin, qmax, placement, seed=0):
+def learnable_backward(driver, root, x, block, scale, zero_point, minval, qmin, qmax, placement, seed=0,
+                       grad_factor=0.125):
     """The learnable op's backward in the harness and on the CPU: dx is the
     same bits; d scale and d offset are fp32 sums in another fixed order
-    (per block, slices of a warp each), so they agree to fp32 rounding."""
+    (per block, slices of a warp each), so they agree to fp32 rounding.
+    grad_factor None: LSQ's per block, which both kernels compute."""
     # No NaN in dy: one would make its whole block's sums NaN.
     dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(x.numel() + seed)).to(x.dtype)
     expected = torch.ops.pt2e_fq.fake_quantize_affine_learnable_backward(
-        dy, x, block, scale, zero_point, qmin, qmax, 0.125, minval)
+        dy, x, block, scale, zero_point, qmin, qmax, grad_factor, minval)
     case = Case(root, "lsq", "lsq", x, placement, block=",".join(map(str, block)), qmin=qmin, qmax=qmax,
-                zp=int(zero_point is not None), minval=int(minval is not None), grad_factor=0.125)
+                zp=int(zero_point is not None), minval=int(minval is not None),
+                grad_factor="lsq" if grad_factor is None else grad_factor)
     case.put("dy.bin", dy)
     case.put("scale.bin", scale.float())
     if zero_point is not None:  # as the binding passes it: fp32, a float one rounded after clamping
@@ -208,7 +211,8 @@ def learnable_backward(driver, root, x, block, scale, zero_point, minval, qmin, 
     simulate(driver, case)
     dx, dscale, doffset = expected
     assert_bits_equal(case.output("dx.bin", x.dtype, x.shape), dx)
-    bound = reduce_blocks(dy.abs().double(), block, torch.sum, 0.0) * (qmax - qmin + 1) * 0.125 * 1e-4
+    factor = reference.lsq_grad_factors(x.shape, block, qmax) if grad_factor is None else grad_factor
+    bound = reduce_blocks(dy.abs().double(), block, torch.sum, 0.0) * (qmax - qmin + 1) * factor * 1e-4
     for name, want in (("dscale", dscale), ("doffset", doffset)):
         got = case.output(f"{name}.bin", torch.float32, want.shape)
         assert torch.equal(got.isnan(), want.isnan()), f"{name}: NaN blocks differ"
@@ -228,6 +232,15 @@ def test_learnable_backward_kernel_equals_cpu_on_random_cases(driver, c):
     with tempfile.TemporaryDirectory() as tmp:
         learnable_backward(driver, Path(tmp), c.x.contiguous(), c.block_size, c.scale, c.zero_point, c.minval,
                            c.quant_min, c.quant_max, "aligned")
+
+
+@pytest.mark.parametrize("shape,block", [((5, 70), (1, 32)), ((9, 70), (4, 16)), ((4, 3, 10), (2, 3, 4))])
+def test_learnable_backward_default_grad_factor_is_per_block_on_ragged_blocks(driver, tmp_path, shape, block):
+    # grad_factor None: each block's own 1 / sqrt(n * quant_max), the
+    # ragged last blocks' larger than the full ones', the same on both.
+    c = make_case(shape, block, torch.float32, (-8, 7), zp="random", seed=7)
+    learnable_backward(driver, tmp_path, c.x.contiguous(), list(block), c.scale, c.zero_point, c.minval,
+                       c.quant_min, c.quant_max, "aligned", grad_factor=None)
 
 
 # ---------------------------------------------------------------------------

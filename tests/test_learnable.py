@@ -45,8 +45,11 @@ def _case(shape, block, dtype, offset, qrange=(-8, 7), seed=0):
 
 def _sum_bound(dy, block, qmin, qmax, grad_factor):
     """A bound on the fp32 rounding of a block's sums: 1e-4 of the sum of
-    the terms' magnitudes (each at most |dy| * (qmax - qmin + 1))."""
+    the terms' magnitudes (each at most |dy| * (qmax - qmin + 1)), times
+    the block's grad_factor (None: LSQ's per block)."""
     total = reduce_blocks(dy.abs().double(), block, torch.sum, 0.0)
+    if grad_factor is None:
+        grad_factor = reference.lsq_grad_factors(dy.shape, block, qmax)
     return total * (qmax - qmin + 1) * grad_factor * 1e-4 + 1e-30
 
 
@@ -86,11 +89,34 @@ def test_gradients_match_reference(gid, shape, block, offset, dtype):
     _assert_grads(x, list(block), scale, zp, minval, qmin, qmax, 0.37, dy)
 
 
+@pytest.mark.parametrize("offset", OFFSETS)
+@pytest.mark.parametrize("gid,shape,block", GRANULARITIES, ids=[g[0] for g in GRANULARITIES])
+def test_default_grad_factor_is_lsq_per_block(gid, shape, block, offset, dtype):
+    # grad_factor None: 1 / sqrt(n * quant_max) with n each block's own
+    # element count, so a ragged last block (per_group_ragged: 32, 32, 6
+    # along the row) gets a larger factor than the full ones.
+    x, scale, zp, minval, qmin, qmax = _case(shape, block, dtype, offset, seed=1)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+    _assert_grads(x, list(block), scale, zp, minval, qmin, qmax, None, dy)
+
+
+def test_a_ragged_block_gets_its_own_default_grad_factor():
+    # Hand-computed: one row of 40, blocks of 32 and a ragged 8, int4
+    # (quant_max 7), every element inside the range at v = 0.125 / 0.5 =
+    # 0.25 (round 0): d scale = gf * n * (0 - 0.25), gf = 1 / sqrt(n * 7).
+    x = torch.full((1, 40), 0.125)
+    _, dscale, _ = BACKWARD(torch.ones_like(x), x, [1, 32], torch.full((1, 2), 0.5), None, -8, 7, None, None)
+    want = torch.tensor([[32 * -0.25 / (32 * 7) ** 0.5, 8 * -0.25 / (8 * 7) ** 0.5]])
+    torch.testing.assert_close(dscale, want, rtol=1e-6, atol=0)
+
+
 @settings(max_examples=60, deadline=None)
 @given(affine_cases(max_numel=6000))
 def test_gradients_match_reference_on_random_cases(c):
     dy = torch.randn(c.x.shape, generator=torch.Generator().manual_seed(c.x.numel())).to(c.x.dtype)
     _assert_grads(c.x, c.block_size, c.scale, c.zero_point, c.minval, c.quant_min, c.quant_max, 0.05, dy)
+    if c.quant_max >= 1:  # LSQ's default per block, ragged blocks included
+        _assert_grads(c.x, c.block_size, c.scale, c.zero_point, c.minval, c.quant_min, c.quant_max, None, dy)
 
 
 @pytest.mark.parametrize("offset", ("int_zp", "float_zp", "minval"))
@@ -105,9 +131,8 @@ def test_autograd_gives_each_qparam_its_gradient(offset, dtype):
     y = ops.fake_quantize_affine_learnable(x, block, scale, zp, qmin, qmax, minval=minval)
     dy = torch.randn(shape, generator=torch.Generator().manual_seed(4)).to(dtype)
     y.backward(dy)
-    gf = ops.lsq_grad_factor(32, qmax)  # the default: 1 / sqrt(block_numel * quant_max)
-    rdx, rds, rdo = reference.fake_quantize_affine_learnable_grads(
-        x.detach(), block, scale.detach(), None if zp is None else zp.detach(), qmin, qmax, gf, dy,
+    rdx, rds, rdo = reference.fake_quantize_affine_learnable_grads(  # the default grad_factor: LSQ's per block
+        x.detach(), block, scale.detach(), None if zp is None else zp.detach(), qmin, qmax, None, dy,
         None if minval is None else minval.detach())
     assert_bits_equal(x.grad, rdx.to(dtype))
     assert scale.grad.shape == scale.shape and scale.grad.dtype == scale.dtype
@@ -176,8 +201,10 @@ def test_backward_checks_grad():
 
 
 def test_default_grad_factor_needs_positive_levels():
-    with pytest.raises(ValueError, match="quant_max must be an int >= 1"):
+    with pytest.raises(ValueError, match="default grad_factor.*needs quant_max >= 1"):
         ops.fake_quantize_affine_learnable(torch.randn(4), [4], torch.ones(1), None, -8, 0)
+    with pytest.raises(ValueError, match="default grad_factor.*needs quant_max >= 1"):  # the kernel's own check
+        LEARNABLE(torch.randn(4), [4], torch.ones(1), None, -8, 0, None)
 
 
 @pytest.mark.parametrize("offset", OFFSETS)
@@ -490,13 +517,12 @@ def test_torch_func_grad_and_vmap_of_grad_match_the_reference():
     shape, block = (6, 70), [1, 32]
     x, scale, zp, _, qmin, qmax = _case(shape, block, torch.float32, "random", seed=5)
     dy = torch.randn(shape, generator=torch.Generator().manual_seed(6))
-    gf = ops.lsq_grad_factor(32, qmax)
 
     def loss(x, scale):
         return (ops.fake_quantize_affine_learnable(x, block, scale, zp, qmin, qmax) * dy).sum()
 
     dx, dscale = torch.func.grad(loss, argnums=(0, 1))(x, scale)
-    rdx, rds, _ = reference.fake_quantize_affine_learnable_grads(x, block, scale, zp, qmin, qmax, gf, dy)
+    rdx, rds, _ = reference.fake_quantize_affine_learnable_grads(x, block, scale, zp, qmin, qmax, None, dy)
     rdx = rdx.to(x.dtype)
     assert_bits_equal(dx, rdx)
     torch.testing.assert_close(dscale.double(), rds.reshape(dscale.shape), rtol=1e-4, atol=1e-5)

@@ -1,6 +1,8 @@
 """Learned qparams under DDP (2 gloo ranks on CPU): DistributedDataParallel
 all-reduces their gradients like any parameter's, so each rank's gradient is
-the mean of what one process computes on each rank's batch."""
+the mean of what one process computes on each rank's batch; and
+pt2e_fq.distributed's helpers cover them (check_ranks_agree finds a learned
+scale that differs between ranks, broadcast_buffers makes it rank 0's)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import pt2e_fq as q
+import pt2e_fq.distributed as qdist
 
 WORLD = 2
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
@@ -81,3 +84,49 @@ def test_ddp_averages_the_learned_qparams_gradients(tmp_path):
         assert want.abs().sum() > 0, f"{name}: no gradient to compare"
         for r in range(WORLD):
             torch.testing.assert_close(got[r][name], want, rtol=1e-5, atol=1e-6)
+
+
+def _drift_worker(rank, out_dir):
+    """Each rank trains its own copy one step on its own batch (no DDP), so
+    the learned scales differ; then the helpers run."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'store')}", rank=rank,
+                            world_size=WORLD, timeout=datetime.timedelta(seconds=120))
+    try:
+        model = _model()
+        model(_batch(rank)).square().sum().backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.01 * p.grad
+        found = None
+        try:
+            qdist.check_ranks_agree(model)
+        except RuntimeError as e:
+            found = str(e)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        qdist.broadcast_buffers(model, src=0)
+        qdist.check_ranks_agree(model)  # raises if the broadcast missed one
+        after = {n: p.detach().clone() for n, p in model.named_parameters()}
+        torch.save(dict(found=found, before=before, after=after,
+                        params_are_leaves=all(p.is_leaf and p.grad_fn is None for p in model.parameters())),
+                   os.path.join(out_dir, f"drift{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_distributed_helpers_find_and_fix_learned_qparams_that_differ(tmp_path):
+    mp.spawn(_drift_worker, args=(str(tmp_path),), nprocs=WORLD, join=True)
+    got = [torch.load(tmp_path / f"drift{r}.pt") for r in range(WORLD)]
+    learned = ["weight_fq.scale", "out_fq.scale", "out_fq.zero_point"]
+    for name in learned:  # the premise: one step on different batches moved them apart
+        assert not torch.equal(got[0]["before"][name], got[1]["before"][name]), name
+    for r in range(WORLD):
+        message = got[r]["found"]
+        assert message is not None, f"rank {r}: check_ranks_agree found no difference"
+        for name in learned:
+            assert name in message, f"rank {r}: {name} not named in {message!r}"
+        assert got[r]["params_are_leaves"]
+        for name in learned:  # rank 0's values, bit for bit, on every rank
+            assert torch.equal(got[r]["after"][name], got[0]["before"][name]), (r, name)
+        # The weight is DDP's to keep equal, not the helper's: left as it was.
+        assert torch.equal(got[r]["after"]["weight"], got[r]["before"]["weight"])

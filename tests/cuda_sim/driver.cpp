@@ -196,9 +196,13 @@ void run_case(const Case& c) {
     const AffineQparams q = make_affine_qparams(scale.as<float>(), has_zp ? zp.as<float>() : nullptr,
                                                 has_minval ? minval.as<float>() : nullptr, c.num("qmin"),
                                                 c.num("qmax"));
+    // grad_factor "lsq": the default, LSQ's per block.
+    const std::string gf = c.get("grad_factor");
+    const GradFactor grad_factor = gf == "lsq" ? GradFactor{true, 0.0f, c.num("qmax")}
+                                               : GradFactor{false, std::stof(gf), c.num("qmax")};
     check(cuda::launch_fake_quantize_affine_learnable_backward(
               type, x.data, dy.data, dx.data, numel, q, layout, has_minval,
-              static_cast<float>(std::stod(c.get("grad_factor"))), scratch.as<float>(),
+              grad_factor, scratch.as<float>(),
               dscale.as<float>(), doffset.as<float>(), nullptr), c);
     save(dx.data, data_bytes, c.path("dx.bin"));
     save(dscale.data, qbytes, c.path("dscale.bin"));

@@ -39,7 +39,7 @@ struct LearnableBackward : public torch::autograd::TraceableFunction {
             .findSchemaOrThrow("pt2e_fq::fake_quantize_affine_learnable_backward", "")
             .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
                 const at::Tensor&, const at::Tensor&, c10::SymIntArrayRef, const at::Tensor&,
-                const std::optional<at::Tensor>&, int64_t, int64_t, double,
+                const std::optional<at::Tensor>&, int64_t, int64_t, std::optional<double>,
                 const std::optional<at::Tensor>&)>();
     const at::Tensor x = x_.unpack(), scale = scale_.unpack();
     const at::Tensor zero_point = zero_point_.unpack(), minval = minval_.unpack();
@@ -73,7 +73,7 @@ struct LearnableBackward : public torch::autograd::TraceableFunction {
   SavedVariable x_, scale_, zero_point_, minval_;
   std::vector<c10::SymInt> block_size_;
   int64_t quant_min_ = 0, quant_max_ = 0;
-  double grad_factor_ = 0.0;
+  std::optional<double> grad_factor_;  // None: LSQ's per block
 };
 
 at::Tensor optional_tensor(const c10::IValue& v) { return v.isNone() ? at::Tensor() : v.toTensor(); }
@@ -100,7 +100,7 @@ void learnable_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
     node->block_size_ = args[kBlockSize].toSymIntVector();
     node->quant_min_ = args[kQuantMin].toInt();
     node->quant_max_ = args[kQuantMax].toInt();
-    node->grad_factor_ = args[kGradFactor].toDouble();
+    node->grad_factor_ = args[kGradFactor].toOptional<double>();
   }
   {
     at::AutoDispatchBelowADInplaceOrView guard;

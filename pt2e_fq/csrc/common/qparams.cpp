@@ -114,9 +114,18 @@ AffineInputs prepare_affine_inputs(const at::Tensor& x, at::IntArrayRef block_si
   return in;
 }
 
-void check_grad_factor(const char* op, double grad_factor) {
-  TORCH_CHECK_VALUE(std::isfinite(grad_factor) && grad_factor > 0.0, op,
-                    ": grad_factor must be finite and > 0, got ", grad_factor);
+GradFactor grad_factor_arg(const char* op, const c10::optional<double>& grad_factor,
+                           int64_t quant_max) {
+  if (!grad_factor) {
+    TORCH_CHECK_VALUE(quant_max >= 1, op,
+                      ": the default grad_factor, LSQ's 1 / sqrt(block_numel * quant_max), needs "
+                      "quant_max >= 1 (positive levels), got quant_max=", quant_max,
+                      "; pass grad_factor explicitly");
+    return {true, 0.0f, quant_max};
+  }
+  TORCH_CHECK_VALUE(std::isfinite(*grad_factor) && *grad_factor > 0.0, op,
+                    ": grad_factor must be finite and > 0, got ", *grad_factor);
+  return {false, static_cast<float>(*grad_factor), quant_max};
 }
 
 void check_learnable_grad(const char* op, const at::Tensor& grad, const at::Tensor& x) {

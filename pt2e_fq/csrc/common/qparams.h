@@ -47,8 +47,11 @@ AffineInputs prepare_affine_inputs(const at::Tensor& x, at::IntArrayRef block_si
                                    const char* op = "pt2e_fq.fake_quantize_affine",
                                    bool float_zero_point = false);
 
-// Checks the learnable op's grad_factor (a host double: no sync).
-void check_grad_factor(const char* op, double grad_factor);
+// Checks the learnable op's grad_factor (a host double: no sync) and gives
+// the kernels' view of it: None is LSQ's default per block, which needs
+// quant_max >= 1.
+GradFactor grad_factor_arg(const char* op, const c10::optional<double>& grad_factor,
+                           int64_t quant_max);
 
 // Checks the incoming gradient of the learnable op's backward: x's shape,
 // dtype and device.

@@ -27,14 +27,15 @@ TORCH_LIBRARY(pt2e_fq, m) {
   // the mask from x and returns (dx, d scale, d offset), the last two fp32
   // of shape ceil(x.shape / block_size), summed per block in a fixed order
   // and times grad_factor; d offset is minval's derivative when minval is
-  // given, else a floating zero point's.
+  // given, else a floating zero point's. grad_factor None: LSQ's per block,
+  // 1 / sqrt(n * quant_max) with n the block's own element count.
   m.def(
       "fake_quantize_affine_learnable(Tensor x, SymInt[] block_size, Tensor scale, "
-      "Tensor? zero_point, int quant_min, int quant_max, float grad_factor, "
+      "Tensor? zero_point, int quant_min, int quant_max, float? grad_factor, "
       "Tensor? minval=None) -> Tensor");
   m.def(
       "fake_quantize_affine_learnable_backward(Tensor grad, Tensor x, SymInt[] block_size, "
-      "Tensor scale, Tensor? zero_point, int quant_min, int quant_max, float grad_factor, "
+      "Tensor scale, Tensor? zero_point, int quant_min, int quant_max, float? grad_factor, "
       "Tensor? minval=None) -> (Tensor, Tensor, Tensor)");
 
   // Fused observe-and-fake-quantize (a static point's training step while

@@ -23,9 +23,9 @@ at::Tensor fake_quantize_affine_learnable_cpu(const at::Tensor& x, at::IntArrayR
                                               const at::Tensor& scale,
                                               const c10::optional<at::Tensor>& zero_point,
                                               int64_t quant_min, int64_t quant_max,
-                                              double grad_factor,
+                                              c10::optional<double> grad_factor,
                                               const c10::optional<at::Tensor>& minval) {
-  check_grad_factor(kOp, grad_factor);
+  grad_factor_arg(kOp, grad_factor, quant_max);
   const AffineInputs in = prepare_affine_inputs(x, block_size, scale, zero_point, quant_min,
                                                 quant_max, minval, kOp, /*float_zero_point=*/true);
   check_qparam_values(kOp, in, zero_point, quant_min, quant_max);
@@ -123,8 +123,9 @@ int64_t num_groups(int64_t numel, int64_t nblocks) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fake_quantize_affine_learnable_backward_cpu(
     const at::Tensor& grad_in, const at::Tensor& x_in, at::IntArrayRef block_size,
     const at::Tensor& scale, const c10::optional<at::Tensor>& zero_point, int64_t quant_min,
-    int64_t quant_max, double grad_factor, const c10::optional<at::Tensor>& minval) {
-  check_grad_factor(kBackwardOp, grad_factor);
+    int64_t quant_max, c10::optional<double> grad_factor,
+    const c10::optional<at::Tensor>& minval) {
+  const GradFactor factor = grad_factor_arg(kBackwardOp, grad_factor, quant_max);
   const AffineInputs in = prepare_affine_inputs(x_in, block_size, scale, zero_point, quant_min,
                                                 quant_max, minval, kBackwardOp,
                                                 /*float_zero_point=*/true);
@@ -161,8 +162,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fake_quantize_affine_learnable_ba
   // it outside the range) or a zero point's (y moves by -scale per step).
   float* ds = dscale.data_ptr<float>();
   float* dof = doffset.data_ptr<float>();
-  const float gf = static_cast<float>(grad_factor);
   for (int64_t b = 0; b < nb; ++b) {
+    const float gf = factor.for_block(block_numel_at(in.layout, b));
     float s_sum = 0.0f, o_sum = 0.0f;
     for (int64_t g = 0; g < groups; ++g) {
       s_sum += accp[2 * g * nb + b];

@@ -50,10 +50,10 @@ at::Tensor fake_quantize_affine_learnable_cuda(const at::Tensor& x_in, at::IntAr
                                                const at::Tensor& scale,
                                                const c10::optional<at::Tensor>& zero_point,
                                                int64_t quant_min, int64_t quant_max,
-                                               double grad_factor,
+                                               c10::optional<double> grad_factor,
                                                const c10::optional<at::Tensor>& minval) {
   const c10::cuda::CUDAGuard guard(x_in.device());
-  check_grad_factor(kLearnableOp, grad_factor);
+  grad_factor_arg(kLearnableOp, grad_factor, quant_max);
   const AffineInputs in = prepare_affine_inputs(x_in, block_size, scale, zero_point, quant_min,
                                                 quant_max, minval, kLearnableOp,
                                                 /*float_zero_point=*/true);
@@ -63,9 +63,10 @@ at::Tensor fake_quantize_affine_learnable_cuda(const at::Tensor& x_in, at::IntAr
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fake_quantize_affine_learnable_backward_cuda(
     const at::Tensor& grad_in, const at::Tensor& x_in, at::IntArrayRef block_size,
     const at::Tensor& scale, const c10::optional<at::Tensor>& zero_point, int64_t quant_min,
-    int64_t quant_max, double grad_factor, const c10::optional<at::Tensor>& minval) {
+    int64_t quant_max, c10::optional<double> grad_factor,
+    const c10::optional<at::Tensor>& minval) {
   const c10::cuda::CUDAGuard guard(x_in.device());
-  check_grad_factor(kLearnableBackwardOp, grad_factor);
+  const GradFactor factor = grad_factor_arg(kLearnableBackwardOp, grad_factor, quant_max);
   const AffineInputs in = prepare_affine_inputs(x_in, block_size, scale, zero_point, quant_min,
                                                 quant_max, minval, kLearnableBackwardOp,
                                                 /*float_zero_point=*/true);
@@ -80,7 +81,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fake_quantize_affine_learnable_ba
   C10_CUDA_CHECK(launch_fake_quantize_affine_learnable_backward(
       elem_type(in.x.scalar_type()), in.x.data_ptr(), grad.data_ptr(), dx.data_ptr(),
       in.x.numel(), affine_qparams(in, quant_min, quant_max), in.layout, in.minval.defined(),
-      static_cast<float>(grad_factor), scratch.data_ptr<float>(), dscale.data_ptr<float>(),
+      factor, scratch.data_ptr<float>(), dscale.data_ptr<float>(),
       doffset.data_ptr<float>(), c10::cuda::getCurrentCUDAStream().stream()));
   return {dx, dscale, doffset};
 }

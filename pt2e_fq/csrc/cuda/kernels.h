@@ -29,14 +29,16 @@ cudaError_t launch_ste_grad(ElemType type, const void* dy, const uint8_t* mask, 
 
 // The backward of the learnable affine op (LSQ / LSQ+): dx, and per block
 // of `layout` (fp32, scale's layout) d scale and d offset (minval's when
-// minval_offset, else a zero point's), times grad_factor, summed in an order
+// minval_offset, else a zero point's), times grad_factor's factor for the
+// block (see GradFactor), summed in an order
 // fixed by the sizes. `scratch` holds learnable_backward_scratch_floats(layout)
 // floats of device memory.
 int64_t learnable_backward_scratch_floats(const BlockLayout& layout);
 cudaError_t launch_fake_quantize_affine_learnable_backward(
     ElemType type, const void* x, const void* dy, void* dx, int64_t numel,
     const AffineQparams& qparams, const BlockLayout& layout, bool minval_offset,
-    float grad_factor, float* scratch, float* dscale, float* doffset, cudaStream_t stream);
+    const GradFactor& grad_factor, float* scratch, float* dscale, float* doffset,
+    cudaStream_t stream);
 
 // y = fake_quantize_float(x) with fp32 `scale` per block of `layout`; mask
 // as for the affine op.

@@ -7,7 +7,7 @@
 // lane l taking the slice's elements l, l + 32, ... in order, then the lanes
 // combine by a butterfly (every lane ends with the same bits). Partials land
 // at partial[b * slices + j]; a second kernel adds them in j order and
-// applies grad_factor.
+// applies the block's grad_factor.
 #include "elementwise.cuh"
 #include "pt2e_fq/affine.h"
 #include "pt2e_fq/block_layout.h"
@@ -99,8 +99,9 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kThreads)
     lsq_finish_kernel(const float* __restrict__ partial_scale,
                       const float* __restrict__ partial_outside, int64_t nblocks, int64_t slices,
-                      AffineQparams q, bool minval_offset, float grad_factor,
-                      float* __restrict__ dscale, float* __restrict__ doffset) {
+                      AffineQparams q, BlockLayout L, bool minval_offset,
+                      GradFactor grad_factor, float* __restrict__ dscale,
+                      float* __restrict__ doffset) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; b < nblocks;
        b += stride) {
@@ -111,8 +112,9 @@ __global__ void __launch_bounds__(kThreads)
     }
     // d offset: minval's (y moves with it outside the range) or a zero
     // point's (y moves by -scale per step there).
-    dscale[b] = mul_rn(grad_factor, s_sum);
-    doffset[b] = mul_rn(grad_factor, minval_offset ? o_sum : -mul_rn(q.scale[b], o_sum));
+    const float gf = grad_factor.for_block(block_numel_at(L, b));
+    dscale[b] = mul_rn(gf, s_sum);
+    doffset[b] = mul_rn(gf, minval_offset ? o_sum : -mul_rn(q.scale[b], o_sum));
   }
 }
 
@@ -125,7 +127,8 @@ int64_t learnable_backward_scratch_floats(const BlockLayout& layout) {
 cudaError_t launch_fake_quantize_affine_learnable_backward(
     ElemType type, const void* x, const void* dy, void* dx, int64_t numel,
     const AffineQparams& qparams, const BlockLayout& layout, bool minval_offset,
-    float grad_factor, float* scratch, float* dscale, float* doffset, cudaStream_t stream) {
+    const GradFactor& grad_factor, float* scratch, float* dscale, float* doffset,
+    cudaStream_t stream) {
   if (numel == 0) return cudaSuccess;
   const int64_t nblocks = block_count(layout);
   const int64_t slices = slices_per_block(layout);
@@ -140,7 +143,7 @@ cudaError_t launch_fake_quantize_affine_learnable_backward(
   });
   launch(lsq_finish_kernel, grid_size(nblocks), kThreads, stream,
          static_cast<const float*>(partial_scale), static_cast<const float*>(partial_outside),
-         nblocks, slices, qparams, minval_offset, grad_factor, dscale, doffset);
+         nblocks, slices, qparams, layout, minval_offset, grad_factor, dscale, doffset);
   return cudaGetLastError();
 }
 

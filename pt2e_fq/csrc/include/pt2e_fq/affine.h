@@ -40,6 +40,26 @@ inline AffineQparams make_affine_qparams(const float* scale, const float* zero_p
           static_cast<float>(quant_max)};
 }
 
+// LSQ's gradient scale for the qparams of a block of n elements,
+// 1 / sqrt(n * quant_max) (Esser et al. 2020, section 2.2): in double,
+// rounded once to fp32, the same bits on the host and the device.
+PT2E_FQ_HD float lsq_grad_factor(int64_t block_numel, int64_t quant_max) {
+  return static_cast<float>(1.0 / sqrt(static_cast<double>(block_numel) *
+                                       static_cast<double>(quant_max)));
+}
+
+// The factor of the learnable op's per-block gradients: the caller's
+// `value` for every block, or (lsq_default) LSQ's for each block's own
+// element count, so a ragged last block gets its own, not the full blocks'.
+struct GradFactor {
+  bool lsq_default;
+  float value;
+  int64_t quant_max;
+  PT2E_FQ_HD float for_block(int64_t block_numel) const {
+    return lsq_default ? lsq_grad_factor(block_numel, quant_max) : value;
+  }
+};
+
 PT2E_FQ_HD float fake_quantize_affine_one(float x, float scale, float ioff, float foff,
                                           float qmin, float qmax, bool& in_range) {
   const float q = add_rn(round_half_even(div_rn(sub_rn(x, foff), scale)), ioff);
@@ -58,15 +78,19 @@ PT2E_FQ_HD float fake_quantize_affine_one(float x, float scale, float ioff, floa
 //             and not at all inside (STE), so the caller scales its per-block
 //             sum by 1 (minval, LSQ+) or -scale (a float zero point).
 // NaN x gives dx 0 and a NaN dscale (the NaN reaches its block's gradient).
+// The two d scale cases select their operands (select_bits: no branch for
+// the host compiler to split the loop into), one subtraction follows.
 PT2E_FQ_HD float lsq_grads_one(float x, float dy, float scale, float ioff, float foff,
                                float qmin, float qmax, float& dscale, float& outside) {
   const float v = div_rn(sub_rn(x, foff), scale);
   const float r = round_half_even(v);
   const float q = add_rn(r, ioff);
   const bool in_range = (q >= qmin) & (q <= qmax);
-  dscale = mul_rn(dy, in_range ? sub_rn(r, v) : sub_rn(clamp_keep_nan(q, qmin, qmax), ioff));
-  outside = in_range ? 0.0f : dy;
-  return in_range ? dy : 0.0f;
+  // clamp_keep_nan(q, qmin, qmax), as selects.
+  const float clamped = select_bits(q < qmin, qmin, select_bits(q > qmax, qmax, q));
+  dscale = mul_rn(dy, sub_rn(select_bits(in_range, r, clamped), select_bits(in_range, v, ioff)));
+  outside = select_bits(in_range, 0.0f, dy);
+  return select_bits(in_range, dy, 0.0f);
 }
 
 }  // namespace pt2e_fq

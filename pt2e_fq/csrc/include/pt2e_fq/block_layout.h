@@ -88,6 +88,19 @@ PT2E_FQ_HD int64_t scale_offset(const BlockLayout& L, int64_t i) {
   return row_scale_offset(L, i / L.size[last]) + col / L.block[last];
 }
 
+// The number of elements of block b (b: its flat index in the contiguous
+// scale): the product of its extents, the last block of a dimension being
+// shorter where the block does not divide the size (ragged).
+PT2E_FQ_HD int64_t block_numel_at(const BlockLayout& L, int64_t b) {
+  int64_t n = 1;
+  for (int d = 0; d < L.ndim; ++d) {
+    const int64_t nblk = (L.size[d] + L.block[d] - 1) / L.block[d];
+    const int64_t left = L.size[d] - (b / L.scale_stride[d]) % nblk * L.block[d];
+    n *= left < L.block[d] ? left : L.block[d];
+  }
+  return n;
+}
+
 // The layout of the dynamic block-scaled formats (MX, NVFP4): x seen as
 // [outer, len, inner], cut into blocks of `block` consecutive elements along
 // len (the quantization axis); the last block of each run may be shorter.

@@ -10,10 +10,13 @@
 #include <cmath>
 #include <cstring>
 
+// Forced inline on both sides: GCC left half_bits_to_float a call inside
+// the AVX-512 clone of a loop (cpu_loops.h PT2E_FQ_CLONES), which then did
+// not vectorise.
 #if defined(__CUDACC__)
 #define PT2E_FQ_HD __host__ __device__ __forceinline__
 #else
-#define PT2E_FQ_HD inline
+#define PT2E_FQ_HD inline __attribute__((always_inline))
 #endif
 
 namespace pt2e_fq {
@@ -77,6 +80,15 @@ PT2E_FQ_HD float f32_from_bits(uint32_t u) {
   return f;
 }
 
+// pick ? a : b by bit masks. GCC turns a ?: of floats whose operands feed
+// later arithmetic into branches, each with its own copy of that
+// arithmetic, which it vectorises only with masked instructions (AVX-512);
+// integer masks keep it one select, so AVX2 loops vectorise too.
+PT2E_FQ_HD float select_bits(bool pick, float a, float b) {
+  const uint32_t m = 0u - static_cast<uint32_t>(pick);  // all ones or zero
+  return f32_from_bits((f32_bits(a) & m) | (f32_bits(b) & ~m));
+}
+
 // IEEE half <-> fp32 with bit masks instead of branches, so the host compiler
 // vectorises them; results equal c10::Half's (round to nearest even, NaN
 // becomes 0x7E00 with the sign kept).
@@ -113,16 +125,18 @@ PT2E_FQ_HD uint16_t float_to_half_bits(float f) {
 }
 
 // bfloat16 <-> fp32 by bit manipulation, identical to c10::BFloat16
-// (round to nearest even, NaN becomes the canonical 0x7FC0).
+// (round to nearest even, NaN becomes the canonical 0x7FC0). The NaN case
+// is a select by mask, not a branch: a branch kept the host compiler from
+// vectorising every loop that stores bf16 ("control flow in loop").
 PT2E_FQ_HD float bf16_bits_to_float(uint16_t bits) {
   return f32_from_bits(static_cast<uint32_t>(bits) << 16);
 }
 
 PT2E_FQ_HD uint16_t float_to_bf16_bits(float f) {
-  uint32_t u = f32_bits(f);
-  if (f != f) return 0x7FC0;
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
+  const uint32_t u = f32_bits(f);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t is_nan = 0u - static_cast<uint32_t>(f != f);  // all ones or zero
+  return static_cast<uint16_t>((0x7FC0u & is_nan) | (rounded & ~is_nan));
 }
 
 }  // namespace pt2e_fq
