@@ -6,7 +6,9 @@ For a ResNet-style conv net and a transformer encoder block, at batch 1 and
 
 - float eager; float under Inductor (torch.compile with freezing);
 - ours under Inductor int8: PTQ w8a8 with our quantizer, to_qdq(target=
-  "x86_inductor"), compile_x86 (oneDNN qconv / qlinear);
+  "x86_inductor"), compile_x86 (oneDNN qconv / qlinear); and the same with
+  the quantizer's fuse_conv_add (conv -> [bn] -> add -> [relu] with no point
+  on the conv's output, which Inductor fuses into qconv2d_pointwise.binary);
 - stock x86: torchao's X86InductorQuantizer (its default config), the same
   calibration, compiled the same way;
 - float .pte (ExecuTorch, XNNPACK fp32); ours .pte (to_executorch, XNNPACK
@@ -40,6 +42,7 @@ from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 from pt2e_fq.app import pipeline
 from pt2e_fq.app.models import EncoderBlock
 from pt2e_fq.export import compile_x86, run_pte, to_executorch, to_qdq
+from quantizers import presets
 
 CALIBRATION_BATCHES = 4
 
@@ -161,13 +164,18 @@ def bench(name: str, batch: int, repeats: int, folder: str) -> list:
     example = (torch.randn(shape(batch)),)
     calibration = [(torch.randn(shape(batch)),) for _ in range(CALIBRATION_BATCHES)]
     ours = pipeline.quantize(model, example, "w8a8", calibration=calibration, progress=False)
+    fused_config = presets.get_preset("w8a8").set_fuse_conv_add(True)
+    ours_fused = pipeline.quantize(model, example, fused_config, calibration=calibration, progress=False)
     stock_x86 = _stock_x86(model, example, calibration)
     stock_xnn = _stock_xnnpack(model, example, calibration)
     tag = f"{name}_b{batch}"
 
-    def ours_x86(ex):
-        compiled = compile_x86(to_qdq(ours, ex, target="x86_inductor"))
-        return lambda: compiled(*ex)
+    def ours_x86(converted):
+        def build_fn(ex):
+            compiled = compile_x86(to_qdq(converted, ex, target="x86_inductor"))
+            return lambda: compiled(*ex)
+
+        return build_fn
 
     # Each variant gets its own copy of the inputs: the stock x86 flow's
     # compiled encoder block writes into its input (measured), which gave
@@ -175,7 +183,9 @@ def bench(name: str, batch: int, repeats: int, folder: str) -> list:
     builders = {
         "float eager": ("", lambda ex: lambda: model(*ex)),
         "float Inductor": ("Inductor", lambda ex: _compiled(model, ex)),
-        "ours Inductor int8": ("Inductor", ours_x86),
+        "ours Inductor int8": ("Inductor", ours_x86(ours)),
+        # The block has no conv: its fuse_conv_add graph is the row above's.
+        **({"ours Inductor int8, fuse_conv_add": ("Inductor", ours_x86(ours_fused))} if name == "conv" else {}),
         "stock x86 Inductor int8": ("Inductor", lambda ex: _compiled(torch.export.export(stock_x86, ex).module(), ex)),
         "float .pte (XNNPACK)": (".pte", lambda ex: _pte_runner(_pte(torch.export.export(model, ex),
                                                                       os.path.join(folder, f"{tag}_float.pte")), ex)),
