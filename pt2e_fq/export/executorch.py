@@ -111,7 +111,7 @@ def _check_bounded(program: torch.export.ExportedProgram) -> None:
     resize a bounded tensor")."""
     from torch.utils._sympy.numbers import int_oo
 
-    unbounded = sorted(str(s) for s, r in program.range_constraints.items() if r.upper is int_oo or r.upper == int_oo)
+    unbounded = sorted(str(s) for s, r in program.range_constraints.items() if r.upper == int_oo)
     if unbounded:
         raise ValueError(
             f"to_executorch: dynamic_shapes: dimension(s) {', '.join(unbounded)} have no largest size; ExecuTorch "
