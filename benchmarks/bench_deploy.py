@@ -6,7 +6,13 @@ For a ResNet-style conv net and a transformer encoder block, at batch 1 and
 
 - float eager; float under Inductor (torch.compile with freezing);
 - ours under Inductor int8: PTQ w8a8 with our quantizer, to_qdq(target=
-  "x86_inductor"), compile_x86 (oneDNN qconv / qlinear);
+  "x86_inductor"), compile_x86 (oneDNN qconv / qlinear); and the same with
+  our quantizer configured to put its points where torchao's
+  X86InductorQuantizer does (X86_LIKE): on the conv net fuse_conv_add
+  (conv -> [bn] -> add -> [relu] with no point on the conv's output, which
+  Inductor fuses into qconv2d_pointwise.binary), on the block no point on
+  the linears' outputs, the matmuls and the adds (Inductor then fuses
+  linear + residual add and matches its flash attention);
 - stock x86: torchao's X86InductorQuantizer (its default config), the same
   calibration, compiled the same way;
 - float .pte (ExecuTorch, XNNPACK fp32); ours .pte (to_executorch, XNNPACK
@@ -27,6 +33,7 @@ after the other.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import tempfile
 import warnings
@@ -40,8 +47,25 @@ from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 from pt2e_fq.app import pipeline
 from pt2e_fq.app.models import EncoderBlock
 from pt2e_fq.export import compile_x86, run_pte, to_executorch, to_qdq
+from quantizers import presets
 
 CALIBRATION_BATCHES = 4
+
+
+def _float_outputs_matmul_add():
+    """w8a8 with points only where torchao's x86 recipe puts them in a
+    transformer: the linears' inputs and weights; their outputs, the matmuls
+    and the adds stay float."""
+    config = presets.get_preset("w8a8")
+    config.set_global(dataclasses.replace(config.global_config, output_activation=None))
+    return config.set_operator_type("matmul", None).set_operator_type("add", None)
+
+
+# Per model: our quantizer with its points where the stock X86InductorQuantizer puts them.
+X86_LIKE = {
+    "conv": ("fuse_conv_add", lambda: presets.get_preset("w8a8").set_fuse_conv_add(True)),
+    "block": ("float outputs, matmul, add", _float_outputs_matmul_add),
+}
 
 
 class BasicBlock(nn.Module):
@@ -161,13 +185,18 @@ def bench(name: str, batch: int, repeats: int, folder: str) -> list:
     example = (torch.randn(shape(batch)),)
     calibration = [(torch.randn(shape(batch)),) for _ in range(CALIBRATION_BATCHES)]
     ours = pipeline.quantize(model, example, "w8a8", calibration=calibration, progress=False)
+    x86_like_name, x86_like_config = X86_LIKE[name]
+    ours_x86_like = pipeline.quantize(model, example, x86_like_config(), calibration=calibration, progress=False)
     stock_x86 = _stock_x86(model, example, calibration)
     stock_xnn = _stock_xnnpack(model, example, calibration)
     tag = f"{name}_b{batch}"
 
-    def ours_x86(ex):
-        compiled = compile_x86(to_qdq(ours, ex, target="x86_inductor"))
-        return lambda: compiled(*ex)
+    def ours_x86(converted):
+        def build_fn(ex):
+            compiled = compile_x86(to_qdq(converted, ex, target="x86_inductor"))
+            return lambda: compiled(*ex)
+
+        return build_fn
 
     # Each variant gets its own copy of the inputs: the stock x86 flow's
     # compiled encoder block writes into its input (measured), which gave
@@ -175,7 +204,8 @@ def bench(name: str, batch: int, repeats: int, folder: str) -> list:
     builders = {
         "float eager": ("", lambda ex: lambda: model(*ex)),
         "float Inductor": ("Inductor", lambda ex: _compiled(model, ex)),
-        "ours Inductor int8": ("Inductor", ours_x86),
+        "ours Inductor int8": ("Inductor", ours_x86(ours)),
+        f"ours Inductor int8, {x86_like_name}": ("Inductor", ours_x86(ours_x86_like)),
         "stock x86 Inductor int8": ("Inductor", lambda ex: _compiled(torch.export.export(stock_x86, ex).module(), ex)),
         "float .pte (XNNPACK)": (".pte", lambda ex: _pte_runner(_pte(torch.export.export(model, ex),
                                                                       os.path.join(folder, f"{tag}_float.pte")), ex)),

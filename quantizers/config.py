@@ -16,12 +16,21 @@ It round-trips through dicts, YAML and JSON files:
     module_name: {head: null}
     module_name_regex: {'blocks\\.\\d+\\.attn\\..*': {...}}
     model_output: false
+    fuse_conv_add: false
 
 `model_output` says whether the model's outputs are quantized: with false,
 an op's output point whose only readers are the model's outputs (a
 classifier's logits) is left out, as torchao's XNNPACK and X86 quantizers
 do; a tensor the model also reads keeps its point. Default true (the
 presets too); docs/quantizers.md has what false gains on a BERT classifier.
+
+`fuse_conv_add` says whether a conv2d whose output goes only into a residual
+add (conv -> [bn] -> add -> [relu], quantizers.patterns.residual_add) keeps
+that output in float and quantizes the add's other input and its output
+instead, as torchao's X86InductorQuantizer does: Inductor then runs conv,
+add and relu as one int8 oneDNN call. Default false: XNNPACK quantizes a
+conv only with its output quantized, so under ExecuTorch such a conv would
+run in float (docs/quantizers.md).
 """
 
 from __future__ import annotations
@@ -43,7 +52,7 @@ from .qspec_dict import ConfigError, check_keys, qspec_from_dict, qspec_to_dict
 
 OP_CONFIG_KEYS = ("input_activation", "weight", "bias", "output_activation")
 _SECTIONS = ("operator_type", "module_type", "module_name", "module_name_regex")
-CONFIG_KEYS = ("global", *_SECTIONS, "model_output")
+CONFIG_KEYS = ("global", *_SECTIONS, "model_output", "fuse_conv_add")
 FILE_SUFFIXES = (".yaml", ".yml", ".json")
 
 
@@ -118,9 +127,11 @@ class Resolution:
 class QuantizerConfig:
     """Global, op-type, module-type and module-name op configs; see the module doc."""
 
-    def __init__(self, global_config: Optional[OpConfig] = None, model_output: bool = True):
+    def __init__(self, global_config: Optional[OpConfig] = None, model_output: bool = True,
+                 fuse_conv_add: bool = False):
         self.global_config = _op_config_or_none("QuantizerConfig", global_config)
         self.model_output = _bool("QuantizerConfig: model_output", model_output)
+        self.fuse_conv_add = _bool("QuantizerConfig: fuse_conv_add", fuse_conv_add)
         self.operator_type: dict[str, Optional[OpConfig]] = {}
         self.module_type: dict[type, Optional[OpConfig]] = {}
         self.module_name: dict[str, Optional[OpConfig]] = {}
@@ -135,6 +146,12 @@ class QuantizerConfig:
     def set_model_output(self, quantize: bool) -> "QuantizerConfig":
         """Whether the model's outputs are quantized (see the module doc)."""
         self.model_output = _bool("set_model_output: quantize", quantize)
+        return self
+
+    def set_fuse_conv_add(self, fuse: bool) -> "QuantizerConfig":
+        """Whether conv2d -> [bn] -> add -> [relu] leaves the conv's output in
+        float, for Inductor's fused int8 conv-add (see the module doc)."""
+        self.fuse_conv_add = _bool("set_fuse_conv_add: fuse", fuse)
         return self
 
     def set_operator_type(self, op_type: str, config: Optional[OpConfig]) -> "QuantizerConfig":
@@ -196,6 +213,7 @@ class QuantizerConfig:
             "module_name": {k: as_dict(v) for k, v in self.module_name.items()},
             "module_name_regex": {k: as_dict(v) for k, v in self.module_name_regex.items()},
             "model_output": self.model_output,
+            "fuse_conv_add": self.fuse_conv_add,
         }
 
     @classmethod
@@ -205,6 +223,8 @@ class QuantizerConfig:
         config = cls(op_config("global", d.get("global")))
         if "model_output" in d:
             config.model_output = _bool("model_output", d["model_output"], ConfigError)
+        if "fuse_conv_add" in d:
+            config.fuse_conv_add = _bool("fuse_conv_add", d["fuse_conv_add"], ConfigError)
         for section in _SECTIONS:
             entries = d.get(section) or {}
             if not isinstance(entries, dict):

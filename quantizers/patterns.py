@@ -7,6 +7,13 @@ their output is quantized: after a following activation (and, in the QAT
 graph, a batch norm between a conv and that activation), never in between,
 so conv-bn-relu and linear-gelu are each quantized as one unit.
 
+A conv2d whose output (after an optional batch norm) flows only into a
+residual add, conv -> [bn] -> add(., other) -> [activation], is one more
+unit (`residual_add`): with QuantizerConfig's fuse_conv_add it is quantized
+as torchao's X86InductorQuantizer does (no point on the conv's output, the
+add's other input and its output after the activation quantized), which
+Inductor runs as one int8 oneDNN call (qconv2d_pointwise.binary).
+
 Two more kinds of ops take no config of their own:
 - PASS_THROUGH ops only move or select values (view, reshape, flatten,
   permute, transpose, max pooling, ...): their output lies on their input's
@@ -266,3 +273,24 @@ def match(node: Node) -> Optional[OpMatch]:
         return None
     end, inner = _fused_output(node, allow_batch_norm=op_type in _CONV_OPS)
     return OpMatch(op_type, node, inputs, output=end, inner=inner, weight_transposed=transposed)
+
+
+def residual_add(m: OpMatch) -> Optional[Node]:
+    """The add of a conv2d unit conv -> [batch_norm] -> add(., other): the
+    conv's fused output (no activation in between) has that add as its only
+    reader, the add is one `match` quantizes (two float tensors, alpha 1, not
+    an in-place add whose input is read later) and its other operand is
+    another tensor of the same shape (Inductor fuses no broadcast). None
+    otherwise."""
+    if m.op_type != "conv2d" or m.output is None or m.output.target in _ACTIVATIONS:
+        return None
+    users = list(m.output.users)
+    if len(users) != 1 or users[0].op != "call_function" or users[0].target not in _BINARY_OPS["add"]:
+        return None
+    add = users[0]
+    if add.kwargs.get("alpha", 1) != 1 or len(add.args) != 2 or match(add) is None:
+        return None
+    other = add.args[1] if add.args[0] is m.output else add.args[0]
+    if other is m.output:  # conv + the same conv
+        return None
+    return add if tuple(other.meta["val"].shape) == tuple(m.output.meta["val"].shape) else None

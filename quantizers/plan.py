@@ -28,7 +28,7 @@ from pt2e_fq import PerBlock, PerChannel, PerGroup, PerTensor, QSpec
 from pt2e_fq.report import float_weight_ops
 
 from .config import OpConfig, QuantizerConfig
-from .patterns import AVERAGING_POOLS, WEIGHT, OpMatch, match, passes_grid
+from .patterns import AVERAGING_POOLS, WEIGHT, OpMatch, match, passes_grid, residual_add
 
 EdgeOrNode = Union[Node, tuple[Node, Node]]
 
@@ -69,6 +69,7 @@ class PlannedOp:
     rule: str
     inputs: list[PlannedInput] = field(default_factory=list)
     output_is_model_output: bool = False  # its output is read by the model's outputs only
+    fused_into: Optional[Node] = None  # the residual add its float output goes into (fuse_conv_add)
 
     @property
     def node(self) -> Node:
@@ -137,6 +138,8 @@ class _Walk:
         self.quantized: dict[Node, tuple[QSpec, EdgeOrNode]] = {}
         # First edge that quantized a tensor with a QSpec, for siblings to share.
         self.edge_roots: dict[tuple[Node, QSpec], EdgeOrNode] = {}
+        # Residual adds of fuse_conv_add -> their input left in float (the conv's output).
+        self.float_inputs: dict[Node, Node] = {}
 
     def annotation(self, node: Node) -> NodeAnnotation:
         return self.plan.annotations.setdefault(node, NodeAnnotation())
@@ -174,7 +177,7 @@ class _Walk:
         ann = self.annotation(m.node)
         group_root = None
         for arg, role in m.inputs:
-            spec = getattr(cfg, role)
+            spec = None if self.float_inputs.get(m.node) is arg else getattr(cfg, role)
             if spec is not None and role == WEIGHT and m.weight_transposed:
                 spec = _swap_axes_0_1(spec)
             p = PlannedInput(arg, role, spec)
@@ -194,11 +197,27 @@ class _Walk:
             return
         for inner in m.inner:
             self.annotation(inner)
+        if self._fuses_into_add(m, cfg):
+            self.annotation(m.output)
+            planned.fused_into = residual_add(m)
+            self.float_inputs[planned.fused_into] = m.output
+            return
         planned.output_is_model_output = m.output is not None and _only_model_output(m.output)
         if m.output is not None and cfg.output_activation is not None and (
                 self.config.model_output or not planned.output_is_model_output):
             self.annotation(m.output).output = Point(cfg.output_activation)
             self.quantized[m.output] = (cfg.output_activation, m.output)
+
+    def _fuses_into_add(self, m: OpMatch, cfg: OpConfig) -> bool:
+        """fuse_conv_add: the op is a conv2d unit ending in a residual add
+        that quantizes its other input and its output (the add's own config),
+        so the conv's output point is left out. An add takes one conv (the
+        first; the other operand of conv + conv keeps its point)."""
+        add = residual_add(m) if self.config.fuse_conv_add and cfg.output_activation is not None else None
+        if add is None or add in self.float_inputs:
+            return False
+        add_cfg = self.config.resolve("add", module_stack(add)).config
+        return add_cfg is not None and add_cfg.input_activation is not None and add_cfg.output_activation is not None
 
     def run(self, gm: GraphModule) -> Plan:
         matched = set()

@@ -171,6 +171,8 @@ class FakeQuantQuantizer(Quantizer):
                 out = plan.annotations.get(end).output if end is not None and end in plan.annotations else None
                 if out is not None:
                     cells["output_activation"] = str(out.qspec) + ("" if end is node else f" (after {end.name})")
+                elif op.fused_into is not None:
+                    cells["output_activation"] = f"float: into {op.fused_into.name} (fuse_conv_add)"
                 elif op.output_is_model_output and op.config.output_activation is not None:
                     cells["output_activation"] = "float: a model output (model_output: false)"
                 elif op.match.shared_inputs and op.config.input_activation is not None:

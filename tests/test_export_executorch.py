@@ -52,6 +52,32 @@ def test_a_w8a8_cnn_is_fully_delegated_to_xnnpack_and_runs_within_one_step(tmp_p
 
 
 @needs_executorch
+def test_a_dynamic_batch_pte_runs_every_batch_up_to_its_max_and_refuses_a_larger_one(tmp_path):
+    model = _cnn_w8a8()
+    path = tmp_path / "dyn.pte"
+    dims = ({0: torch.export.Dim("batch", min=1, max=8)},)
+    with pytest.raises(ValueError, match=r"narrowed the dynamic dimension\(s\) s\d+: \[1, 8\] became \[1, 2\]"):
+        to_executorch(model, batch(1, (1, 3, 8, 8)), path, dynamic_shapes=dims)  # an example of batch 1
+    assert not path.exists()
+    to_executorch(model, batch(1, (3, 3, 8, 8)), path, dynamic_shapes=dims)
+    for b in (1, 5, 8):
+        x = batch(b, (b, 3, 8, 8))
+        (out,) = run_pte(path, x)
+        assert out.shape == (b, 4)
+        _assert_within_one_step(out, model, x)
+    with pytest.raises(RuntimeError, match="set_inputs"):  # ExecuTorch planned the memory for 8
+        run_pte(path, batch(9, (9, 3, 8, 8)))
+
+
+@needs_executorch
+def test_a_dynamic_dimension_without_a_max_is_refused_before_writing(tmp_path):
+    model = _cnn_w8a8()
+    with pytest.raises(ValueError, match=r"dynamic_shapes: dimension\(s\) s\d+ have no largest size.*max=64"):
+        to_executorch(model, batch(1, (1, 3, 8, 8)), tmp_path / "d.pte", dynamic_shapes=({0: torch.export.Dim.AUTO},))
+    assert not (tmp_path / "d.pte").exists()
+
+
+@needs_executorch
 def test_per_channel_int4_weights_run_as_int8_codes(tmp_path):
     spec = q.QSpec(q.INT4, q.PerChannel(0), "symmetric", observer=q.CurrentMinMaxObserver())
     model = ptq(ACT, spec)

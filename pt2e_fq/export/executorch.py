@@ -62,7 +62,12 @@ def to_executorch(
     XNNPACK takes and what `unsupported` does; a point kept as our op has no
     ExecuTorch kernel, so "keep" is refused here), then
     to_edge_transform_and_lower with the XNNPACK partitioner. The file
-    replaces `path` only once it is complete."""
+    replaces `path` only once it is complete. `dynamic_shapes` is
+    torch.export's; each dynamic dimension needs a largest size
+    (`Dim("batch", min=1, max=64)`): ExecuTorch plans the file's memory for
+    it, and the program then runs every size from min to max. Give an
+    example of size 2 or more there: ExecuTorch narrows the range of a
+    dimension whose example is 1 (an error here)."""
     require_executorch()
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.devtools.backend_debug import get_delegation_info
@@ -77,7 +82,9 @@ def to_executorch(
     args = as_args(example_inputs)
     program, summary = to_qdq(model_or_program, args, dynamic_shapes=dynamic_shapes, target="xnnpack",
                               unsupported=unsupported, summary=True)
+    _check_bounded(program)
     edge = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
+    _check_ranges_kept(program, edge.exported_program())
     info = get_delegation_info(edge.exported_program().graph_module)
     outside = {op: b.non_delegated for op, b in info.delegation_by_operator.items()
                if b.non_delegated and op != "getitem"}
@@ -95,6 +102,37 @@ def to_executorch(
         )
     write_bytes(path, edge.to_executorch().buffer)
     return PteExport(os.fspath(path), summary, info.num_delegated_subgraphs, info.num_delegated_nodes, outside)
+
+
+def _check_bounded(program: torch.export.ExportedProgram) -> None:
+    """A dynamic dimension without a largest size is an error: ExecuTorch
+    would plan the memory for a bound of its own (measured: a Dim.AUTO batch
+    exported at batch 1 ran up to 15 and failed at 33 with "Attempted to
+    resize a bounded tensor")."""
+    from torch.utils._sympy.numbers import int_oo
+
+    unbounded = sorted(str(s) for s, r in program.range_constraints.items() if r.upper == int_oo)
+    if unbounded:
+        raise ValueError(
+            f"to_executorch: dynamic_shapes: dimension(s) {', '.join(unbounded)} have no largest size; ExecuTorch "
+            "plans the file's memory for the largest shape, so give each dynamic dimension a max, e.g. "
+            "torch.export.Dim('batch', min=1, max=64) (Dim.AUTO and Dim.DYNAMIC have none)"
+        )
+
+
+def _check_ranges_kept(program: torch.export.ExportedProgram, edge: torch.export.ExportedProgram) -> None:
+    """ExecuTorch's lowering must keep each dynamic dimension's range:
+    measured, a batch of Dim(min=1, max=8) exported on an example of batch 1
+    came out as [1, 2] (the .pte then refused batch 3), on batch 3 as [1, 8]."""
+    narrowed = [f"{s}: [{r.lower}, {r.upper}] became [{edge.range_constraints[s].lower}, "
+                f"{edge.range_constraints[s].upper}]"
+                for s, r in program.range_constraints.items()
+                if s in edge.range_constraints and edge.range_constraints[s] != r]
+    if narrowed:
+        raise ValueError(
+            f"to_executorch: ExecuTorch's lowering narrowed the dynamic dimension(s) {'; '.join(narrowed)}; "
+            "give example inputs whose dynamic dimensions are 2 or more (an example of size 1 makes it do that)"
+        )
 
 
 def run_pte(path: Union[str, os.PathLike], inputs) -> list[torch.Tensor]:
