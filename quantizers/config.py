@@ -17,11 +17,13 @@ It round-trips through dicts, YAML and JSON files:
     module_name_regex: {'blocks\\.\\d+\\.attn\\..*': {...}}
     model_output: false
 
-`model_output` says whether the model's outputs are quantized: with false,
-an op's output point whose only readers are the model's outputs (a
-classifier's logits) is left out, as torchao's XNNPACK and X86 quantizers
-do; a tensor the model also reads keeps its point. Default true (the
-presets too); docs/quantizers.md has what false gains on a BERT classifier.
+`model_output` says whether the model's outputs are quantized: with false
+(the default), an op's output point whose only readers are the model's
+outputs (a classifier's logits) is left out, as torchao's XNNPACK and X86
+quantizers do; a tensor the model also reads keeps its point. A point there
+caps the accuracy of the whole model for no deployment gain (the consumer
+of the logits is float code); docs/quantizers.md has what it costs a BERT
+classifier. The presets place no output points at all (quantizers.presets).
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ class Resolution:
 class QuantizerConfig:
     """Global, op-type, module-type and module-name op configs; see the module doc."""
 
-    def __init__(self, global_config: Optional[OpConfig] = None, model_output: bool = True):
+    def __init__(self, global_config: Optional[OpConfig] = None, model_output: bool = False):
         self.global_config = _op_config_or_none("QuantizerConfig", global_config)
         self.model_output = _bool("QuantizerConfig: model_output", model_output)
         self.operator_type: dict[str, Optional[OpConfig]] = {}
