@@ -113,3 +113,11 @@ def test_a_bert_classifier_calibrated_on_one_batch_gains_from_float_logits():
                                                            calibration=calibration, progress=False)(test))
                 for flag in (True, False)}
     assert sqnr[False] > sqnr[True] + 3
+
+
+def test_describe_ends_saying_whether_the_model_outputs_are_quantized():
+    gm = pipeline.export(_mlp(), _batches(1)[0])
+    last_line = lambda config: FakeQuantQuantizer(config).describe(gm, print_table=False).splitlines()[-1]  # noqa: E731
+    assert last_line(presets.get_preset("w8a8")) == "model outputs: float (model_output: false)"
+    assert last_line(every_point("w8a8")) == (
+        "model outputs: quantized where an op config gives them an output point (model_output: true)")
