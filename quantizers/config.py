@@ -18,19 +18,22 @@ It round-trips through dicts, YAML and JSON files:
     model_output: false
     fuse_conv_add: false
 
-`model_output` says whether the model's outputs are quantized: with false,
-an op's output point whose only readers are the model's outputs (a
-classifier's logits) is left out, as torchao's XNNPACK and X86 quantizers
-do; a tensor the model also reads keeps its point. Default true (the
-presets too); docs/quantizers.md has what false gains on a BERT classifier.
+`model_output` says whether the model's outputs are quantized: with false
+(the default), an op's output point whose only readers are the model's
+outputs (a classifier's logits) is left out, as torchao's XNNPACK and X86
+quantizers do; a tensor the model also reads keeps its point. A point there
+caps the accuracy of the whole model for no deployment gain (the consumer
+of the logits is float code); docs/quantizers.md has what it costs a BERT
+classifier. The presets place no output points at all (quantizers.presets).
 
 `fuse_conv_add` says whether a conv2d whose output goes only into a residual
 add (conv -> [bn] -> add -> [relu], quantizers.patterns.residual_add) keeps
 that output in float and quantizes the add's other input and its output
 instead, as torchao's X86InductorQuantizer does: Inductor then runs conv,
-add and relu as one int8 oneDNN call. Default false: XNNPACK quantizes a
-conv only with its output quantized, so under ExecuTorch such a conv would
-run in float (docs/quantizers.md).
+add and relu as one int8 oneDNN call. It applies where the add is quantized
+(`presets.every_point` layouts; the presets leave adds float). Default false:
+XNNPACK quantizes a conv only with its output quantized, so under ExecuTorch
+such a conv would run in float (docs/quantizers.md).
 """
 
 from __future__ import annotations
@@ -127,7 +130,7 @@ class Resolution:
 class QuantizerConfig:
     """Global, op-type, module-type and module-name op configs; see the module doc."""
 
-    def __init__(self, global_config: Optional[OpConfig] = None, model_output: bool = True,
+    def __init__(self, global_config: Optional[OpConfig] = None, model_output: bool = False,
                  fuse_conv_add: bool = False):
         self.global_config = _op_config_or_none("QuantizerConfig", global_config)
         self.model_output = _bool("QuantizerConfig: model_output", model_output)

@@ -20,6 +20,19 @@ activation points use MinMaxObserver (calibration). Bias stays in float.
 MX and NVFP4 blocks run along the reduction dimension: a linear or matmul
 input's last axis, a conv input's channel axis (axis 1, hence the op-type
 entries for convolutions).
+
+What a preset quantizes (docs/quantizers.md, "What the presets quantize"):
+the inputs and weights of the ops that compute on them (linear, conv,
+matmul, addmm, einsum), as int8 / fp8 kernels read them, and nothing else.
+No op's output gets a point of its own: where another computing op reads it,
+that op's input point quantizes it (one point either way); elsewhere
+(a residual add, softmax, a norm, the logits) a kernel writes it at higher
+precision. add, mul, cat and stack stay float: a residual stream, RMSNorm's
+`x * rsqrt(...)` and a concatenation of a parameter-derived token (ViT's
+class token) with activations each lose most of their signal on one
+per-tensor grid. Embedding tables are lookups, not compute: the weight-only
+presets (w4a16, w8a16) quantize them for memory, the others leave them float,
+as torchao's XNNPACK and X86 quantizers do.
 """
 
 from __future__ import annotations
@@ -44,10 +57,23 @@ from .config import OpConfig, QuantizerConfig
 _CONV_OP_TYPES = ("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d")
 _WEIGHT_OBSERVER = CurrentMinMaxObserver()
 _INT8_ACT = QSpec(INT8, PerTensor(), "asymmetric")
+# Ops whose tensors no preset quantizes (see the module doc).
+_FLOAT_OP_TYPES = ("add", "mul", "cat", "stack")
+
+
+def _compute_inputs_only(config: QuantizerConfig) -> QuantizerConfig:
+    """The policy of the module doc on a config whose op configs have no
+    output_activation: add, mul, cat, stack float, and embeddings float
+    where activations are quantized."""
+    for op_type in _FLOAT_OP_TYPES:
+        config.set_operator_type(op_type, None)
+    if config.global_config.input_activation is not None:
+        config.set_operator_type("embedding", None)
+    return config
 
 
 def _int_config(weight: QSpec, activation=None) -> QuantizerConfig:
-    return QuantizerConfig(OpConfig(input_activation=activation, weight=weight, output_activation=activation))
+    return _compute_inputs_only(QuantizerConfig(OpConfig(input_activation=activation, weight=weight)))
 
 
 def _block_config(fmt, activation_dynamic: bool) -> QuantizerConfig:
@@ -59,11 +85,11 @@ def _block_config(fmt, activation_dynamic: bool) -> QuantizerConfig:
     # MX: the kernel scales every block (nothing to observe); NVFP4: an observed global scale.
     weight_dynamic = kind_of(fmt) is MX
     weight = spec(1, weight_dynamic, None if weight_dynamic else _WEIGHT_OBSERVER)
-    config = QuantizerConfig(OpConfig(spec(-1, activation_dynamic), weight, None, spec(-1, activation_dynamic)))
-    conv = OpConfig(spec(1, activation_dynamic), weight, None, spec(1, activation_dynamic))
+    config = QuantizerConfig(OpConfig(spec(-1, activation_dynamic), weight))
+    conv = OpConfig(spec(1, activation_dynamic), weight)
     for op_type in _CONV_OP_TYPES:
         config.set_operator_type(op_type, conv)
-    return config
+    return _compute_inputs_only(config)
 
 
 W8A8 = _int_config(QSpec(INT8, PerChannel(0), "symmetric_narrow", observer=_WEIGHT_OBSERVER), _INT8_ACT)
@@ -94,3 +120,18 @@ def get_preset(name: str) -> QuantizerConfig:
     if name not in PRESETS:
         raise ValueError(f"get_preset: unknown preset {name!r}; allowed: {', '.join(PRESETS)}")
     return QuantizerConfig.from_dict(PRESETS[name].to_dict())
+
+
+def every_point(name: str) -> QuantizerConfig:
+    """A preset's formats on every tensor an op config reaches: each op's
+    inputs, weight and output (the preset's input QSpec), add, mul, cat,
+    stack and embeddings included, the model's outputs too. The layout
+    XNNPACK (ExecuTorch) delegates, which has no int8 op with a float
+    output; it costs accuracy (docs/quantizers.md)."""
+    config = get_preset(name)
+    full = lambda c: OpConfig(c.input_activation, c.weight, c.bias, c.input_activation)  # noqa: E731
+    result = QuantizerConfig(full(config.global_config), model_output=True)
+    for op_type, op_config in config.operator_type.items():
+        if op_config is not None:
+            result.set_operator_type(op_type, full(op_config))
+    return result

@@ -152,8 +152,10 @@ class FakeQuantQuantizer(Quantizer):
 
     def describe(self, model: Union[GraphModule, torch.export.ExportedProgram], print_table: bool = True) -> str:
         """A table of every op the config reaches and what each of its
-        tensors gets, before prepare, then a warning naming every op with
-        weights that no op pattern covers; printed and returned."""
+        tensors gets, before prepare, the number of fake-quant modules,
+        whether the model's outputs are quantized (model_output), then a
+        warning naming every op with weights that no op pattern covers;
+        printed and returned."""
         plan = self.plan(model)
         rows = []
         for op in plan.ops:
@@ -185,6 +187,8 @@ class FakeQuantQuantizer(Quantizer):
                              f"{ann.output.qspec} (shared with {name})"])
         table = tabulate(rows, headers=["node", "op", "module", "config from", *OP_CONFIG_KEYS])
         table += f"\n{plan.num_modules} fake-quant module(s)"
+        table += "\nmodel outputs: " + ("quantized where an op config gives them an output point (model_output: true)"
+                                        if self.config.model_output else "float (model_output: false)")
         if plan.float_weight_ops:
             table += "\nwarning: " + float_weights_text(plan.float_weight_ops)
         if print_table:

@@ -203,12 +203,12 @@ def test_quantize_writes_pt2_and_onnx_and_report_reads_the_pt2(capsys, tmp_path)
 
     rc, out, err = cli_main(capsys, "report", str(pt2))
     assert rc == 0, err
-    # Points: the input, two weights, relu's output (linear_1's input), linear_1's output.
-    assert out.count("activation_post_process_") == 5
+    # Points: the input, two weights, relu's output (linear_1's input); the logits stay float (quantizers.presets).
+    assert out.count("activation_post_process_") == 4
     assert "INT8 [-127, 127]" in out and "PerChannel(axis=0)" in out
 
     rc, out, err = cli_main(capsys, "report", str(pt2), "--example-input", "3x16")  # the batch is dynamic
-    assert rc == 0 and out.count("activation_post_process_") == 5, err
+    assert rc == 0 and out.count("activation_post_process_") == 4, err
     rc, _, err = cli_main(capsys, "report", str(pt2), "--example-input", "8x15")
     assert rc == 2
     assert "--example-input: the example has inputs [(8, 15) float32]; the model takes [(any, 16) float32]" in err

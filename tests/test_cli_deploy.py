@@ -10,15 +10,19 @@ from test_cli import QUANTIZE
 from test_export_executorch import needs_executorch
 
 import pt2e_fq
+from quantizers import presets
 
 qd = torch.ops.quantized_decomposed
 
 
 def test_target_x86_inductor_saves_a_qdq_program_within_one_step_of_the_fake_quant_one(capsys, tmp_path):
     fq, lowered = tmp_path / "fq.pt2", tmp_path / "x86.pt2"
-    rc, _, err = _main(capsys, *QUANTIZE, "--preset", "w8a8", "--out", str(fq))
+    # w8a8 on every tensor, so the output has a step to bound the difference by (the preset leaves it float).
+    config = tmp_path / "every.yaml"
+    presets.every_point("w8a8").save(config)
+    rc, _, err = _main(capsys, *QUANTIZE, "--config", str(config), "--out", str(fq))
     assert rc == 0, err
-    rc, out, err = _main(capsys, *QUANTIZE, "--preset", "w8a8", "--out", str(lowered), "--target", "x86_inductor")
+    rc, out, err = _main(capsys, *QUANTIZE, "--config", str(config), "--out", str(lowered), "--target", "x86_inductor")
     assert rc == 0, err
     assert "x86_inductor q/dq program against the fake-quant graph" in out and "max diff (steps)" in out
     program, reference = pt2e_fq.load(lowered), pt2e_fq.load(fq)
@@ -49,6 +53,7 @@ def test_pte_is_written_and_checked_in_executorch(capsys, tmp_path):
     rc, out, err = _main(capsys, *QUANTIZE, "--preset", "w8a8", "--pte", str(pte))
     assert rc == 0, err
     assert pte.stat().st_size > 0
+    # With --pte the preset goes on every tensor (presets.every_point): the logits' point makes 5.
     assert f"saved {pte}: 5 point(s) as q/dq" in out and "outside: none" in out
     assert "ExecuTorch against the fake-quant graph" in out
     # w4a8's groups of 32 cover each weight row (16 and 32 inputs): per-channel int4, which XNNPACK takes.

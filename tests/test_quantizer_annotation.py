@@ -8,11 +8,13 @@ import re
 import pytest
 import torch
 import torch.nn as nn
-from quantizer_models import build, example_batch, export, fake_quant_modules, prepare, single_thread  # noqa: F401 (an autouse fixture)
+from quantizer_models import (  # noqa: F401 (single_thread: an autouse fixture)
+    build, example_batch, export, fake_quant_modules, prepare, single_thread)
 from torchao.quantization.pt2e.quantizer import QuantizationSpec, SharedQuantizationSpec
 
 import pt2e_fq as q
 from quantizers import FakeQuantQuantizer, OpConfig, UnsupportedQuantizationError, presets
+from quantizers.presets import every_point
 
 CMM = q.CurrentMinMaxObserver()
 INT8_ACT = q.QSpec(q.INT8, q.PerTensor(), "asymmetric")
@@ -69,13 +71,13 @@ def _annotate(config, name="mlp", train=False):
 
 
 def _mlp_expected(act, weight):
-    """MLP: fc1 -> relu -> fc2 -> gelu -> head. Activations are quantized at
-    the input, after each activation and at the output; fc2 and head read
-    the quantized relu / gelu outputs, so their inputs add nothing."""
+    """MLP: fc1 -> relu -> fc2 -> gelu -> head. A preset quantizes the input
+    and weight of each linear and no output (quantizers.presets): the relu
+    and gelu outputs as fc2's and head's inputs, the logits not at all."""
     expected = {("fc1_weight", "linear"): weight, ("fc2_weight", "linear_1"): weight,
                 ("head_weight", "linear_2"): weight}
     if act is not None:
-        expected.update({("x", "linear"): act, ("relu", "out"): act, ("gelu", "out"): act, ("linear_2", "out"): act})
+        expected.update({("x", "linear"): act, ("relu", "linear_1"): act, ("gelu", "linear_2"): act})
     return expected
 
 
@@ -90,11 +92,11 @@ def test_mlp_points_of_every_preset(preset):
 def test_module_name_regex_override_and_none_skip():
     act, w8 = PRESET_SPECS["w8a8"]
     w4 = PRESET_SPECS["w4a16"][1]
-    regex = presets.get_preset("w8a8").set_module_name(re.compile(r"fc\d"), OpConfig(weight=w4))
+    regex = every_point("w8a8").set_module_name(re.compile(r"fc\d"), OpConfig(weight=w4))
     # fc1, fc2 weight-only int4; head keeps the global config and quantizes its own input.
     expected = {("fc1_weight", "linear"): w4, ("fc2_weight", "linear_1"): w4, ("gelu", "linear_2"): act,
                 ("head_weight", "linear_2"): w8, ("linear_2", "out"): act}
-    skip = presets.get_preset("w8a8").set_module_name("head", None)
+    skip = every_point("w8a8").set_module_name("head", None)
     # head stays float; the gelu output is still fc2's output point.
     expected_skip = {("x", "linear"): act, ("fc1_weight", "linear"): w8, ("relu", "out"): act,
                      ("fc2_weight", "linear_1"): w8, ("gelu", "out"): act}
@@ -104,24 +106,20 @@ def test_module_name_regex_override_and_none_skip():
         assert len(fake_quant_modules(gm)) == len(points)
 
 
-# Distinct fake-quant modules, counted by hand from each model's graph:
-# cnn: x, conv1 w, relu (conv1-bn1-relu output), conv2 w, bn2 output, add
-#   output (after relu), fc w, fc output = 8; the average pool reuses the
-#   add's module and flatten passes the grid on. MX / NVFP4 convs use
-#   channel blocks (axis 1) and add / linear the last axis, so the add
-#   requantizes both its inputs and fc its input: 8 + 3 = 11.
-# encoder: ln1 output (one module for q, k, v), 3 weights, q, k, v outputs,
-#   matmul output, softmax output, matmul_1 output, out w, out output, x into
-#   the residual add, add output, ln2 output, fc1 w, gelu output, fc2 w, fc2
-#   output, add_1 output = 20. With blocks along the last axis, view and
-#   transpose move them, so matmul's 2 inputs, matmul_1's v input and the
-#   out projection's input are quantized again: 24.
-# embedding: the table (weight only), the head's input, weight, output = 4.
+# Distinct fake-quant modules of the presets, counted by hand from each
+# model's graph (inputs and weights of computing ops only, quantizers.presets):
+# cnn: x, conv1 w, the relu into conv2, conv2 w, fc's input (the pooled,
+#   flattened float sum), fc w = 6; the residual add and the pool stay float.
+# encoder: ln1 output (one module for q, k, v), 3 weights, matmul's q and k,
+#   matmul_1's softmax and v inputs, out's input and weight, ln2 into fc1,
+#   fc1 w, the gelu into fc2, fc2 w = 14; the residual adds stay float.
+# embedding: the head's input and weight = 2; the table only under the
+#   weight-only presets (its weight and the head's = 2).
 # Weight-only presets: one per weight.
 COUNTS = {
-    "cnn": {"w8a8": 8, "w4a8": 8, "w4a16": 3, "w8a16": 3, "fp8": 8, "mxfp8": 11, "mxfp4": 11, "nvfp4": 11},
-    "encoder": {"w8a8": 20, "w4a8": 20, "w4a16": 6, "w8a16": 6, "fp8": 20, "mxfp8": 24, "mxfp4": 24, "nvfp4": 24},
-    "embedding": {"w8a8": 4, "w4a8": 4, "w4a16": 2, "w8a16": 2, "fp8": 4, "mxfp8": 4, "mxfp4": 4, "nvfp4": 4},
+    "cnn": {"w8a8": 6, "w4a8": 6, "w4a16": 3, "w8a16": 3, "fp8": 6, "mxfp8": 6, "mxfp4": 6, "nvfp4": 6},
+    "encoder": {"w8a8": 14, "w4a8": 14, "w4a16": 6, "w8a16": 6, "fp8": 14, "mxfp8": 14, "mxfp4": 14, "nvfp4": 14},
+    "embedding": {"w8a8": 2, "w4a8": 2, "w4a16": 2, "w8a16": 2, "fp8": 2, "mxfp8": 2, "mxfp4": 2, "nvfp4": 2},
 }
 
 
@@ -137,7 +135,7 @@ def test_fake_quant_module_counts(name):
 
 
 def test_qat_conv_bn_relu_is_quantized_after_the_relu_and_the_bn():
-    gm = prepare(build("cnn", train=True), example_batch("cnn", 0), FakeQuantQuantizer(presets.W8A8), qat=True)
+    gm = prepare(build("cnn", train=True), example_batch("cnn", 0), FakeQuantQuantizer(every_point("w8a8")), qat=True)
     quantized = sorted(str(n.args[0].target) for n in gm.graph.nodes
                        if n.op == "call_module" and isinstance(gm.get_submodule(n.target), q.FakeQuantize))
     aten = torch.ops.aten
@@ -152,7 +150,7 @@ def test_an_override_that_torchao_would_merge_keeps_its_own_module():
     torchao's implicit sharing would drop it (docs/fake_quantize.md, trap 1)."""
     act, w8 = PRESET_SPECS["w8a8"]
     mse_act = q.QSpec(q.INT8, q.PerTensor(), "asymmetric", observer=q.MSEObserver(8))
-    config = presets.get_preset("w8a8").set_module_name("fc2", OpConfig(mse_act, w8, None, act))
+    config = every_point("w8a8").set_module_name("fc2", OpConfig(mse_act, w8, None, act))
     gm = prepare(build("mlp"), example_batch("mlp", 0), FakeQuantQuantizer(config))
     points = prepared_points(gm)
     assert ("relu", act) in points
@@ -175,7 +173,7 @@ class CatModel(nn.Module):
 
 def test_cat_inputs_share_one_module_and_the_average_pool_shares_its_input():
     model, x = CatModel().eval(), torch.randn(16, 8)
-    gm = prepare(model, x, FakeQuantQuantizer(presets.W8A8))
+    gm = prepare(model, x, FakeQuantQuantizer(every_point("w8a8")))
     gm(x)
     cat = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.cat.default)
     first, second = (gm.get_submodule(a.target) for a in cat.args[0])
@@ -184,7 +182,7 @@ def test_cat_inputs_share_one_module_and_the_average_pool_shares_its_input():
     with torch.no_grad():
         assert float(first.max_val) == pytest.approx(float(torch.cat([model.a(x), model.b(x)], -1).max()), rel=0.02)
 
-    cnn = prepare(build("cnn"), example_batch("cnn", 0), FakeQuantQuantizer(presets.W8A8))
+    cnn = prepare(build("cnn"), example_batch("cnn", 0), FakeQuantQuantizer(every_point("w8a8")))
     pool = next(n for n in cnn.graph.nodes if n.target == torch.ops.aten.adaptive_avg_pool2d.default)
     (after_pool,) = pool.users
     before_pool = pool.args[0]
@@ -194,7 +192,7 @@ def test_cat_inputs_share_one_module_and_the_average_pool_shares_its_input():
 def test_conv_transpose_weights_are_quantized_per_output_channel():
     model = nn.Sequential(nn.ConvTranspose2d(4, 6, 3), nn.ReLU()).eval()
     x = torch.randn(2, 4, 5, 5)
-    gm = prepare(model, x, FakeQuantQuantizer(presets.W8A8))
+    gm = prepare(model, x, FakeQuantQuantizer(every_point("w8a8")))
     gm(x)
     (weight_fq,) = [m for m in fake_quant_modules(gm) if isinstance(m.qspec.granularity, q.PerChannel)]
     assert model[0].weight.shape == (4, 6, 3, 3)  # (in, out, kh, kw)
@@ -204,16 +202,17 @@ def test_conv_transpose_weights_are_quantized_per_output_channel():
 
 
 def test_describe_lists_every_op_its_rule_and_its_points():
-    config = presets.get_preset("w8a8").set_module_name("head", None)
+    config = every_point("w8a8").set_module_name("head", None)
     gm = export(build("mlp"), example_batch("mlp", 0))
     table = FakeQuantQuantizer(config).describe(gm, print_table=False)
     lines = table.splitlines()
-    row = {line.split()[0]: line for line in lines[2:-1]}
+    row = {line.split()[0]: line for line in lines[2:-2]}
     assert set(row) == {"linear", "linear_1", "linear_2"}
     assert "fc1" in row["linear"] and "global" in row["linear"] and "(after relu)" in row["linear"]
     assert "(already at relu)" in row["linear_1"] and "(after gelu)" in row["linear_1"]
     assert "module name 'head'" in row["linear_2"] and row["linear_2"].count("float") == 4
-    assert lines[-1] == "5 fake-quant module(s)"
+    assert lines[-2:] == ["5 fake-quant module(s)",
+                          "model outputs: quantized where an op config gives them an output point (model_output: true)"]
     assert "quantization_annotation" not in {k for n in gm.graph.nodes for k in n.meta}  # describe changes nothing
     ep = torch.export.export(build("mlp"), (example_batch("mlp", 0),))
     assert FakeQuantQuantizer(config).describe(ep, print_table=False) == table
@@ -222,14 +221,14 @@ def test_describe_lists_every_op_its_rule_and_its_points():
 def test_validate_names_node_module_and_reason():
     model = build("mlp").double()
     with pytest.raises(UnsupportedQuantizationError) as err:
-        prepare(model, example_batch("mlp", 0).double(), FakeQuantQuantizer(presets.W8A8))
+        prepare(model, example_batch("mlp", 0).double(), FakeQuantQuantizer(every_point("w8a8")))
     text = str(err.value)
     assert "7 fake-quant point(s) cannot run" in text
     assert ("input 'fc1_weight' of node 'linear' (aten.linear.default) in module 'fc1' (Linear): the tensor is "
             "torch.float64; fake quantization takes float32, bfloat16, float16") in text
 
     blocked = q.QSpec(q.INT8, q.PerBlock((1, 4, 4)))  # 3 entries for a 2-D weight
-    config = presets.get_preset("w8a8").set_module_name("head", OpConfig(weight=blocked))
+    config = every_point("w8a8").set_module_name("head", OpConfig(weight=blocked))
     with pytest.raises(UnsupportedQuantizationError) as err:
         prepare(build("mlp"), example_batch("mlp", 0), FakeQuantQuantizer(config))
     text = str(err.value)
@@ -247,7 +246,7 @@ def test_validate_names_node_module_and_reason():
 def test_an_activation_after_linear_or_conv_is_quantized_after_it(activation):
     act = PRESET_SPECS["w8a8"][0]
     for layer, x in ((nn.Linear(8, 8), torch.randn(4, 8)), (nn.Conv2d(3, 4, 3), torch.randn(2, 3, 6, 6))):
-        gm = FakeQuantQuantizer(presets.W8A8).annotate(export(nn.Sequential(layer, activation).eval(), x))
+        gm = FakeQuantQuantizer(every_point("w8a8")).annotate(export(nn.Sequential(layer, activation).eval(), x))
         outputs = {t: s for (t, where), s in annotated(gm).items() if where == "out"}
         (activation_node,) = [n for n in gm.graph.nodes if n.op == "call_function" and n.args[0].op == "call_function"]
         assert outputs == {activation_node.name: act}
@@ -259,7 +258,7 @@ class StackModel(CatModel):
 
 
 def test_stack_inputs_share_one_module():
-    gm = prepare(StackModel().eval(), torch.randn(16, 8), FakeQuantQuantizer(presets.W8A8))
+    gm = prepare(StackModel().eval(), torch.randn(16, 8), FakeQuantQuantizer(every_point("w8a8")))
     stack = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.stack.default)
     first, second = (gm.get_submodule(a.target) for a in stack.args[0])
     assert first is second
@@ -276,7 +275,7 @@ def test_validate_refuses_a_shared_module_whose_qparams_change_shape():
             return torch.cat([self.a(x), self.b(x)], dim=-1)
 
     per_channel = q.QSpec(q.INT8, q.PerChannel(1), "asymmetric")
-    config = presets.get_preset("w8a8").set_operator_type("cat", OpConfig(input_activation=per_channel))
+    config = every_point("w8a8").set_operator_type("cat", OpConfig(input_activation=per_channel))
     with pytest.raises(UnsupportedQuantizationError) as err:
         prepare(Uneven().eval(), torch.randn(16, 8), FakeQuantQuantizer(config))
     assert ("input 'linear_1' of node 'cat' (aten.cat.default) in module '' (Uneven): it shares the "

@@ -15,7 +15,8 @@ import torch.nn as nn
 from quantizer_models import fake_quant_modules, prepare, single_thread, sqnr_db  # noqa: F401 (an autouse fixture)
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
-from quantizers import FakeQuantQuantizer, presets
+from quantizers import FakeQuantQuantizer
+from quantizers.presets import every_point
 
 aten = torch.ops.aten
 
@@ -42,7 +43,7 @@ class BasicBlock(nn.Module):
 
 
 def _converted(model, batches, preset="w8a8"):
-    gm = prepare(model, batches[0], FakeQuantQuantizer(presets.get_preset(preset)))
+    gm = prepare(model, batches[0], FakeQuantQuantizer(every_point(preset)))
     with torch.no_grad():
         for b in batches:
             gm(b)

@@ -13,6 +13,7 @@ from quantizer_models import single_thread, sqnr_db  # noqa: F401 (an autouse fi
 
 from pt2e_fq.app import pipeline
 from quantizers import ConfigError, FakeQuantQuantizer, QuantizerConfig, presets
+from quantizers.presets import every_point
 
 
 def _mlp():
@@ -35,8 +36,8 @@ def test_without_the_model_output_point_the_logits_are_the_quantized_model_s_bef
     """Reference: the model with the point. Its output is its last point
     applied to the float logits that the model without it returns."""
     batches = _batches(3)
-    with_point = _converted(_mlp(), presets.get_preset("w8a8"), batches)
-    without = _converted(_mlp(), presets.get_preset("w8a8").set_model_output(False), batches)
+    with_point = _converted(_mlp(), every_point("w8a8"), batches)
+    without = _converted(_mlp(), every_point("w8a8").set_model_output(False), batches)
     (output,) = [n for n in with_point.graph.nodes if n.op == "output"]
     last_point = with_point.get_submodule(output.args[0][0].target)
     x = _batches(1, rows=7)[0][0]
@@ -60,21 +61,24 @@ class ReturnsHidden(nn.Module):
 
 def test_a_model_output_the_model_also_reads_keeps_its_point():
     gm = pipeline.export(ReturnsHidden().eval(), _batches(1)[0])
-    plan = FakeQuantQuantizer(presets.get_preset("w8a8").set_model_output(False)).plan(gm)
+    plan = FakeQuantQuantizer(every_point("w8a8").set_model_output(False)).plan(gm)
     outputs = {n.name for n, ann in plan.annotations.items() if ann.output is not None}
     assert outputs == {"relu", "linear_1"}  # relu: read by head; linear_1 (head): read by out
-    table = FakeQuantQuantizer(presets.get_preset("w8a8").set_model_output(False)).describe(gm, print_table=False)
+    table = FakeQuantQuantizer(every_point("w8a8").set_model_output(False)).describe(gm, print_table=False)
     (out_row,) = [line for line in table.splitlines() if line.startswith("linear_2 ")]
     assert "float: a model output (model_output: false)" in out_row
 
 
 def test_model_output_round_trips_and_a_bad_value_is_named(tmp_path):
-    config = presets.get_preset("w8a8").set_model_output(False)
-    assert config.to_dict()["model_output"] is False
-    config.save(tmp_path / "c.yaml")
-    assert "model_output: false" in (tmp_path / "c.yaml").read_text()
-    assert QuantizerConfig.load(tmp_path / "c.yaml").model_output is False
-    assert QuantizerConfig.from_dict({"global": None}).model_output is True  # the default
+    for flag in (True, False):
+        config = presets.get_preset("w8a8").set_model_output(flag)
+        assert config.to_dict()["model_output"] is flag
+        config.save(tmp_path / "c.yaml")
+        assert f"model_output: {str(flag).lower()}" in (tmp_path / "c.yaml").read_text()
+        assert QuantizerConfig.load(tmp_path / "c.yaml").model_output is flag
+    assert QuantizerConfig.from_dict({"global": None}).model_output is False  # the default, as torchao's
+    assert QuantizerConfig().model_output is False
+    assert all(presets.get_preset(name).model_output is False for name in presets.PRESETS)
     with pytest.raises(ConfigError, match=r"^model_output: expected true or false, got str 'no'$"):
         QuantizerConfig.from_dict({"model_output": "no"})
     with pytest.raises(TypeError, match=r"^set_model_output: quantize: expected true or false, got int 1$"):
@@ -105,7 +109,15 @@ def test_a_bert_classifier_calibrated_on_one_batch_gains_from_float_logits():
     with torch.no_grad():
         reference = model(test)
         sqnr = {flag: sqnr_db(reference, pipeline.quantize(model, calibration[0],
-                                                           presets.get_preset("w8a8").set_model_output(flag),
+                                                           every_point("w8a8").set_model_output(flag),
                                                            calibration=calibration, progress=False)(test))
                 for flag in (True, False)}
     assert sqnr[False] > sqnr[True] + 3
+
+
+def test_describe_ends_saying_whether_the_model_outputs_are_quantized():
+    gm = pipeline.export(_mlp(), _batches(1)[0])
+    last_line = lambda config: FakeQuantQuantizer(config).describe(gm, print_table=False).splitlines()[-1]  # noqa: E731
+    assert last_line(presets.get_preset("w8a8")) == "model outputs: float (model_output: false)"
+    assert last_line(every_point("w8a8")) == (
+        "model outputs: quantized where an op config gives them an output point (model_output: true)")

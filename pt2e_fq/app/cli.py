@@ -130,7 +130,9 @@ def _parser() -> argparse.ArgumentParser:
                                "pt2e_fq.export.compile_x86), checked against the fake-quant graph")
     quantize.add_argument("--pte", metavar="FILE.pte",
                           help="export an ExecuTorch program (XNNPACK delegate; needs the executorch extra) "
-                               "and check it in ExecuTorch's runtime")
+                               "and check it in ExecuTorch's runtime; with --pte or --target xnnpack a --preset "
+                               "goes on every tensor (presets.every_point), as XNNPACK delegates int8 ops with "
+                               "int8 outputs only")
     quantize.add_argument("--unsupported", choices=UNSUPPORTED, default="error",
                           help="a point the target cannot take: an error (default), kept as our op, or, for a "
                                "weight, stored as its fake-quantized floats")
@@ -322,6 +324,9 @@ def quantizer_config(args):
     if args.preset:
         if args.preset not in presets.PRESETS:
             raise UsageError(f"--preset: unknown preset {args.preset!r}; allowed: {', '.join(presets.PRESETS)}")
+        if getattr(args, "pte", None) or getattr(args, "target", None) == "xnnpack":
+            # XNNPACK delegates int8 ops with int8 outputs only (docs/export.md): the preset on every tensor.
+            return presets.every_point(args.preset)
         return presets.get_preset(args.preset)
     if not Path(args.config).is_file():
         raise UsageError(f"--config: no such file {args.config!r}")

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from tabulate import tabulate
 
+from quantizers import presets
+
 from . import digits, pipeline
 from ..export import check_onnx, compile_x86, ort_session, run_pte, save, to_executorch, to_onnx, to_qdq
 from ..export.executorch import require_executorch
@@ -300,8 +302,10 @@ def _run(out: Path, float_epochs, qat_epochs, calibration_batches, seed, progres
     result.rows.append(float_row)
     float_state = copy.deepcopy(model.state_dict())
 
-    # PTQ w8a8: calibrate on a few training batches.
-    ptq = pipeline.prepare(model, example, "w8a8")
+    # PTQ w8a8: calibrate on a few training batches. The preset on every
+    # tensor (presets.every_point), here and for QAT: the same models go to
+    # ExecuTorch XNNPACK, which delegates int8 ops with int8 outputs only.
+    ptq = pipeline.prepare(model, example, presets.every_point("w8a8"))
     pipeline.calibrate(ptq, [x for x, _ in data.batches("train", BATCH, seed=seed)][:calibration_batches],
                        progress=progress)
     ptq = pipeline.convert(ptq)
@@ -313,7 +317,7 @@ def _run(out: Path, float_epochs, qat_epochs, calibration_batches, seed, progres
 
     # QAT w4a8 from the float weights; first the step time against float.
     model.load_state_dict(float_state)
-    qat = pipeline.prepare(model, example, "w4a8", qat=True)
+    qat = pipeline.prepare(model, example, presets.every_point("w4a8"), qat=True)
     ms = step_times({"float": model.train(), "qat": qat}, example, data.y_train[:BATCH], F.cross_entropy)
     float_row.step_ms = ms["float"]
     optimizer = torch.optim.Adam([p for p in qat.parameters() if p.requires_grad], lr=5e-4)
