@@ -6,17 +6,19 @@ For a ResNet-style conv net and a transformer encoder block, at batch 1 and
 
 - float eager; float under Inductor (torch.compile with freezing);
 - ours under Inductor int8: PTQ w8a8 with our quantizer, to_qdq(target=
-  "x86_inductor"), compile_x86 (oneDNN qconv / qlinear); and the same with
-  our quantizer configured to put its points where torchao's
-  X86InductorQuantizer does (X86_LIKE): on the conv net fuse_conv_add
-  (conv -> [bn] -> add -> [relu] with no point on the conv's output, which
-  Inductor fuses into qconv2d_pointwise.binary), on the block no point on
-  the linears' outputs, the matmuls and the adds (Inductor then fuses
-  linear + residual add and matches its flash attention);
+  "x86_inductor"), compile_x86 (oneDNN qconv / qlinear). The w8a8 preset
+  puts its points where torchao's X86InductorQuantizer does in a
+  transformer (inputs and weights of linears; outputs, matmuls and adds
+  float: Inductor fuses linear + residual add and matches its flash
+  attention). On the conv net also the XNNPACK layout,
+  presets.every_point("w8a8"), with fuse_conv_add (conv -> [bn] -> add ->
+  [relu] with no point on the conv's output and an int8 add output, which
+  Inductor fuses into qconv2d_pointwise.binary);
 - stock x86: torchao's X86InductorQuantizer (its default config), the same
   calibration, compiled the same way;
 - float .pte (ExecuTorch, XNNPACK fp32); ours .pte (to_executorch, XNNPACK
-  int8); stock .pte: ExecuTorch's XNNPACKQuantizer (symmetric per-channel),
+  int8, quantized with presets.every_point("w8a8"): XNNPACK delegates an
+  int8 op only with its output quantized); stock .pte: ExecuTorch's XNNPACKQuantizer (symmetric per-channel),
   the same calibration.
 
 Printed per model and batch: the median latency of one forward, its
@@ -33,7 +35,6 @@ after the other.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import tempfile
 import warnings
@@ -52,19 +53,11 @@ from quantizers import presets
 CALIBRATION_BATCHES = 4
 
 
-def _float_outputs_matmul_add():
-    """w8a8 with points only where torchao's x86 recipe puts them in a
-    transformer: the linears' inputs and weights; their outputs, the matmuls
-    and the adds stay float."""
-    config = presets.get_preset("w8a8")
-    config.set_global(dataclasses.replace(config.global_config, output_activation=None))
-    return config.set_operator_type("matmul", None).set_operator_type("add", None)
-
-
-# Per model: our quantizer with its points where the stock X86InductorQuantizer puts them.
-X86_LIKE = {
-    "conv": ("fuse_conv_add", lambda: presets.get_preset("w8a8").set_fuse_conv_add(True)),
-    "block": ("float outputs, matmul, add", _float_outputs_matmul_add),
+# Extra Inductor variants per model: our every-point layout with conv-add
+# fusion, where the conv net's residual adds are quantized as torchao's
+# X86InductorQuantizer quantizes them.
+EXTRA_INDUCTOR = {
+    "conv": ("every_point + fuse_conv_add", lambda: presets.every_point("w8a8").set_fuse_conv_add(True)),
 }
 
 
@@ -185,8 +178,13 @@ def bench(name: str, batch: int, repeats: int, folder: str) -> list:
     example = (torch.randn(shape(batch)),)
     calibration = [(torch.randn(shape(batch)),) for _ in range(CALIBRATION_BATCHES)]
     ours = pipeline.quantize(model, example, "w8a8", calibration=calibration, progress=False)
-    x86_like_name, x86_like_config = X86_LIKE[name]
-    ours_x86_like = pipeline.quantize(model, example, x86_like_config(), calibration=calibration, progress=False)
+    ours_every_point = pipeline.quantize(model, example, presets.every_point("w8a8"), calibration=calibration,
+                                         progress=False)
+    extra = {}
+    if name in EXTRA_INDUCTOR:
+        extra_name, extra_config = EXTRA_INDUCTOR[name]
+        extra[extra_name] = pipeline.quantize(model, example, extra_config(), calibration=calibration,
+                                              progress=False)
     stock_x86 = _stock_x86(model, example, calibration)
     stock_xnn = _stock_xnnpack(model, example, calibration)
     tag = f"{name}_b{batch}"
@@ -205,12 +203,12 @@ def bench(name: str, batch: int, repeats: int, folder: str) -> list:
         "float eager": ("", lambda ex: lambda: model(*ex)),
         "float Inductor": ("Inductor", lambda ex: _compiled(model, ex)),
         "ours Inductor int8": ("Inductor", ours_x86(ours)),
-        f"ours Inductor int8, {x86_like_name}": ("Inductor", ours_x86(ours_x86_like)),
+        **{f"ours Inductor int8, {k}": ("Inductor", ours_x86(v)) for k, v in extra.items()},
         "stock x86 Inductor int8": ("Inductor", lambda ex: _compiled(torch.export.export(stock_x86, ex).module(), ex)),
         "float .pte (XNNPACK)": (".pte", lambda ex: _pte_runner(_pte(torch.export.export(model, ex),
                                                                       os.path.join(folder, f"{tag}_float.pte")), ex)),
         "ours .pte (XNNPACK int8)": (".pte", lambda ex: _pte_runner(
-            to_executorch(ours, ex, os.path.join(folder, f"{tag}_ours.pte")).path, ex)),
+            to_executorch(ours_every_point, ex, os.path.join(folder, f"{tag}_ours.pte")).path, ex)),
         "stock .pte (XNNPACKQuantizer)": (".pte", lambda ex: _pte_runner(
             _pte(torch.export.export(stock_xnn, ex), os.path.join(folder, f"{tag}_stock.pte")), ex)),
     }
