@@ -27,7 +27,8 @@ are equal.
 
     python benchmarks/bench_accuracy.py [--models resnet18 llama] [--presets w8a8 fp8] [--quick] [--threads N]
 
---quick: no ONNX stages, 3 QAT steps, 3 timing repeats.
+--quick: no ONNX stages (the slow ones), 5 timing repeats. Each row is
+also printed as soon as it is measured.
 """
 
 from __future__ import annotations
@@ -156,14 +157,14 @@ def main() -> None:
     parser.add_argument("--qat-models", nargs="+", choices=zoo.NAMES, default=None,
                         help="models of the QAT table (default: --models)")
     parser.add_argument("--qat-steps", type=int, default=10)
-    parser.add_argument("--quick", action="store_true", help="no ONNX stages, 3 QAT steps, 3 timing repeats")
+    parser.add_argument("--quick", action="store_true", help="no ONNX stages, 5 timing repeats")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     assert set(PRESETS) <= set(presets.PRESETS)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
-    qat_steps = 3 if args.quick else args.qat_steps
-    repeats = 3 if args.quick else 20
+    qat_steps = args.qat_steps
+    repeats = 5 if args.quick else 20
     ptq_rows, qat_rows = [], []
     with tempfile.TemporaryDirectory() as folder:
         bar = tqdm(total=len(args.models) * (len(args.presets) + len(STOCK_QUANTIZERS)), desc="PTQ", unit="run")
@@ -190,15 +191,17 @@ def main() -> None:
                 ptq_rows.append([name, r["preset"], f"{r['sqnr']:.1f}",
                                  *(f"{stock[q]:.1f}" if q in stock else "failed" for q in STOCK_QUANTIZERS),
                                  r.get("mark", ""), *(r.get(s, "") for s in STAGES)])
+                tqdm.write(" | ".join(ptq_rows[-1]))
         bar.close()
         for name in tqdm(args.qat_models or args.models, desc="QAT", unit="model"):
-            qat_rows.append(qat_row(zoo.build(name), qat_steps, 3 if args.quick else 10, repeats, folder))
+            qat_rows.append(qat_row(zoo.build(name), qat_steps, 5 if args.quick else 10, repeats, folder))
+            tqdm.write(" | ".join(map(str, qat_rows[-1])))
     print(f"\n{machine()}")
     print(f"PTQ: SQNR (dB) of the converted model's outputs against float on {zoo.HELD_OUT_BATCHES} held-out "
           f"batches; {zoo.CALIBRATION_BATCHES} calibration batches; stage times in seconds")
     print(tabulate(ptq_rows, headers=["model", "preset", "SQNR", "XNNPACK", "X86", "vs stock",
                                       *[f"{s} s" for s in STAGES]], disable_numparse=True))
-    print(f"\nQAT w8a8: step time median of {3 if args.quick else 10} interleaved steps; inference median of "
+    print(f"\nQAT w8a8: step time median of {5 if args.quick else 10} interleaved steps; inference median of "
           f"{repeats}; .pt2 drift after {qat_steps} steps (inf: bit for bit)")
     print(tabulate(qat_rows, headers=["model", "steps", "float step ms", "QAT step ms", "QAT / float",
                                       "float infer ms", "converted infer ms", "converted / float",

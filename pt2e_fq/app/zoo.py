@@ -43,30 +43,43 @@ TOKEN_BATCH = 8
 CALIBRATION_BATCHES, HELD_OUT_BATCHES = 4, 2
 
 
-def import_torchvision():
-    """`import torchvision`, beside a CPU-only torch too. torchvision's PyPI
-    wheel links libtorch_cuda, so beside the CPU torch its C ops (`_C.so`)
-    do not load; its Python code then registers fake kernels for
-    `torchvision::nms` and `qnms`, which fails on the missing schemas, and
+def allow_torchvision_import() -> None:
+    """Makes `import torchvision` work beside a CPU-only torch; call it
+    before importing torchvision, timm or a transformers model (transformers'
+    modeling_utils imports torchvision wherever it is installed).
+
+    torchvision's PyPI wheel links libtorch_cuda, so beside the CPU torch its
+    C ops (`_C.so`) do not load; its Python code then registers fake kernels
+    for `torchvision::nms` and `qnms`, which fails on the missing schemas, and
     the import with it. Where `_C.so` does not load, the two schemas are
-    defined first, so that the pure-Python models import (the C ops stay
-    missing; none of the zoo's models calls them). Where it loads, it
-    defines them itself and nothing is added."""
+    defined here first, so that the pure-Python models import (the C ops stay
+    missing; none of the zoo's models calls them). Where it loads, it defines
+    them itself and nothing is added; where torchvision is not installed,
+    nothing is done. Idempotent."""
     import importlib.util
     from pathlib import Path
 
     spec = importlib.util.find_spec("torchvision")
-    if spec is None:
+    if spec is None or _TORCHVISION_SCHEMAS or hasattr(torch.ops.torchvision, "nms"):
+        return
+    try:
+        for library in Path(spec.origin).parent.glob("_C.*"):
+            torch.ops.load_library(str(library))
+    except OSError:  # libtorch_cuda.so: cannot open shared object file
+        library = torch.library.Library("torchvision", "DEF")
+        library.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        library.define("qnms(Tensor qdets, Tensor scores, float iou_threshold) -> Tensor")
+        _TORCHVISION_SCHEMAS.append(library)  # a Library deregisters its schemas when collected
+
+
+def import_torchvision():
+    """`import torchvision` (allow_torchvision_import first); an ImportError
+    naming the extra where it is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is None:
         raise ImportError('the model zoo needs torchvision and timm: pip install "pt2e_fq[models]"')
-    if not _TORCHVISION_SCHEMAS and not hasattr(torch.ops.torchvision, "nms"):
-        try:
-            for library in Path(spec.origin).parent.glob("_C.*"):
-                torch.ops.load_library(str(library))
-        except OSError:  # libtorch_cuda.so: cannot open shared object file
-            library = torch.library.Library("torchvision", "DEF")
-            library.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-            library.define("qnms(Tensor qdets, Tensor scores, float iou_threshold) -> Tensor")
-            _TORCHVISION_SCHEMAS.append(library)  # a Library deregisters its schemas when collected
+    allow_torchvision_import()
     import torchvision
 
     return torchvision
@@ -136,6 +149,7 @@ class Logits(nn.Module):
 
 
 def llama() -> nn.Module:
+    allow_torchvision_import()  # transformers' modeling_utils imports torchvision where it is installed
     import transformers
 
     config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -144,6 +158,7 @@ def llama() -> nn.Module:
 
 
 def bert() -> nn.Module:
+    allow_torchvision_import()  # transformers' modeling_utils imports torchvision where it is installed
     import transformers
 
     config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -152,6 +167,7 @@ def bert() -> nn.Module:
 
 
 def gpt2() -> nn.Module:
+    allow_torchvision_import()  # transformers' modeling_utils imports torchvision where it is installed
     import transformers
 
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
