@@ -18,8 +18,9 @@ Runtime CPU kernel: to_onnx refuses them).
 
 QAT table (w8a8), one row per model: the median training step of the QAT
 model over the float model's (same batch, MSE loss, SGD; interleaved),
-inference of the converted model over the float model's (issue 21.6), and
-after `--qat-steps` steps of distillation (Adam) and freeze_qat: the SQNR
+inference of the converted model over the float model's (issue 21.6), the
+seconds of pipeline.convert and of torchao's convert_pt2e on a copy (a QAT
+graph keeps its batch norms: convert_pt2e's conv-bn search), and after `--qat-steps` steps of distillation (Adam) and freeze_qat: the SQNR
 of the `.pt2` saved with batch norms folded and loaded back against the
 converted model it was saved from (issue 17.6: inf = bit for bit), of the
 converted model against float, and whether two runs of the converted model
@@ -112,7 +113,13 @@ def qat_row(entry: zoo.ZooEntry, qat_steps: int, timing_steps: int, repeats: int
     pipeline.train(qat, pairs, F.mse_loss, optimizer, epochs=math.ceil(qat_steps / len(pairs)), max_steps=qat_steps,
                    progress=False)
     pipeline.freeze_qat(qat, entry.calibration[0])
+    spare = copy.deepcopy(qat)
+    start = time.perf_counter()
     converted = pipeline.convert(qat)
+    convert_s = time.perf_counter() - start
+    start = time.perf_counter()
+    convert_pt2e(spare)
+    convert_pt2e_s = time.perf_counter() - start
     held_out = entry.held_out[0]
     float_ms, converted_ms = median_ms([lambda: model(*held_out), lambda: converted(*held_out)], repeats, "cpu")
     path = os.path.join(folder, f"{entry.name}_qat.pt2")
@@ -122,7 +129,7 @@ def qat_row(entry: zoo.ZooEntry, qat_steps: int, timing_steps: int, repeats: int
     deterministic = torch.equal(ours, outputs(converted, entry.held_out))
     return [entry.name, qat_steps, f"{step_ms['float']:.1f}", f"{step_ms['QAT']:.1f}",
             f"{step_ms['QAT'] / step_ms['float']:.2f}x", f"{float_ms:.2f}", f"{converted_ms:.2f}",
-            f"{converted_ms / float_ms:.2f}x", f"{sqnr_db(ours, outputs(loaded, entry.held_out)):.1f}",
+            f"{converted_ms / float_ms:.2f}x", f"{convert_s:.2f}", f"{convert_pt2e_s:.2f}", f"{sqnr_db(ours, outputs(loaded, entry.held_out)):.1f}",
             f"{sqnr_db(outputs(model, entry.held_out), ours):.1f}", "yes" if deterministic else "NO"]
 
 
@@ -157,6 +164,7 @@ def main() -> None:
     parser.add_argument("--qat-models", nargs="+", choices=zoo.NAMES, default=None,
                         help="models of the QAT table (default: --models)")
     parser.add_argument("--qat-steps", type=int, default=10)
+    parser.add_argument("--tables", nargs="+", choices=("ptq", "qat"), default=["ptq", "qat"])
     parser.add_argument("--quick", action="store_true", help="no ONNX stages, 5 timing repeats")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
@@ -167,8 +175,9 @@ def main() -> None:
     repeats = 5 if args.quick else 20
     ptq_rows, qat_rows = [], []
     with tempfile.TemporaryDirectory() as folder:
-        bar = tqdm(total=len(args.models) * (len(args.presets) + len(STOCK_QUANTIZERS)), desc="PTQ", unit="run")
-        for name in args.models:
+        ptq_models = args.models if "ptq" in args.tables else ()
+        bar = tqdm(total=len(ptq_models) * (len(args.presets) + len(STOCK_QUANTIZERS)), desc="PTQ", unit="run")
+        for name in ptq_models:
             entry = zoo.build(name)
             reference = outputs(entry.model, entry.held_out)
             stock = {}
@@ -193,18 +202,23 @@ def main() -> None:
                                  r.get("mark", ""), *(r.get(s, "") for s in STAGES)])
                 tqdm.write(" | ".join(ptq_rows[-1]))
         bar.close()
-        for name in tqdm(args.qat_models or args.models, desc="QAT", unit="model"):
+        qat_models = (args.qat_models or args.models) if "qat" in args.tables else ()
+        for name in tqdm(qat_models, desc="QAT", unit="model"):
             qat_rows.append(qat_row(zoo.build(name), qat_steps, 5 if args.quick else 10, repeats, folder))
             tqdm.write(" | ".join(map(str, qat_rows[-1])))
     print(f"\n{machine()}")
-    print(f"PTQ: SQNR (dB) of the converted model's outputs against float on {zoo.HELD_OUT_BATCHES} held-out "
-          f"batches; {zoo.CALIBRATION_BATCHES} calibration batches; stage times in seconds")
-    print(tabulate(ptq_rows, headers=["model", "preset", "SQNR", "XNNPACK", "X86", "vs stock",
-                                      *[f"{s} s" for s in STAGES]], disable_numparse=True))
+    if ptq_rows:
+        print(f"PTQ: SQNR (dB) of the converted model's outputs against float on {zoo.HELD_OUT_BATCHES} held-out "
+              f"batches; {zoo.CALIBRATION_BATCHES} calibration batches; stage times in seconds")
+        print(tabulate(ptq_rows, headers=["model", "preset", "SQNR", "XNNPACK", "X86", "vs stock",
+                                          *[f"{s} s" for s in STAGES]], disable_numparse=True))
+    if not qat_rows:
+        return
     print(f"\nQAT w8a8: step time median of {5 if args.quick else 10} interleaved steps; inference median of "
           f"{repeats}; .pt2 drift after {qat_steps} steps (inf: bit for bit)")
     print(tabulate(qat_rows, headers=["model", "steps", "float step ms", "QAT step ms", "QAT / float",
                                       "float infer ms", "converted infer ms", "converted / float",
+                                      "convert s", "convert_pt2e s",
                                       "SQNR .pt2 vs converted", "SQNR converted vs float", "deterministic"],
                    disable_numparse=True))
 
