@@ -192,7 +192,9 @@ def _range(t: Optional[torch.Tensor]):
     return (t.min().item(), t.max().item())
 
 
-def _sqnr_db(x: torch.Tensor, y: torch.Tensor) -> float:
+def sqnr_db(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio of y against the reference x, in dB
+    (inf where they are equal), over the elements where x is finite."""
     # Over the finite inputs: a NaN / Inf element has no quantization error to measure.
     finite = torch.isfinite(x)
     x64 = x[finite].double()
@@ -240,7 +242,7 @@ class Report:
             row.update(scale=_range(op_call.applied_scale(out)), zero_point=_range(op_call.zero_point),
                        minval=_range(op_call.minval))
             row["clipped"] = 1.0 - unpack_mask(packed, x.shape).float().mean().item() if x.numel() else 0.0
-            row["sqnr_db"] = _sqnr_db(x, y)
+            row["sqnr_db"] = sqnr_db(x, y)
             if point_role.startswith(("weight", "bias")):
                 self.quantized_weights += 1
                 self.quantized_weight_bytes += _bytes(x, bits) + qparam_bytes - x.numel() * x.element_size()

@@ -22,7 +22,13 @@ from hypothesis import strategies as st
 
 import pt2e_fq  # noqa: F401  (registers torch.ops.pt2e_fq)
 from pt2e_fq import ops, reference
+from pt2e_fq.app.zoo import allow_torchvision_import
 from pt2e_fq.blocks import reduced_shape
+
+# The models extra installs torchvision, whose PyPI wheel cannot load its C ops
+# beside a CPU torch; transformers' modeling_utils imports it wherever it is
+# installed, so every test building a Hugging Face model needs this first.
+allow_torchvision_import()
 
 # ---------------------------------------------------------------------------
 # Devices

@@ -1,0 +1,227 @@
+"""Accuracy of every preset on real architectures against torchao's stock
+quantizers, the time of each stage of the flow, and QAT's costs and drift
+(issues 17 and 21), on the model zoo (pt2e_fq/app/zoo.py: torchvision,
+timm and Hugging Face classes at toy sizes, random init).
+
+PTQ table, one row per model and preset: our quantizer through the
+pipeline (export, prepare_pt2e, calibration on the zoo's calibration
+batches, pipeline.convert), the SQNR of the converted model's outputs
+against the float model's on held-out batches; beside it the SQNR of
+torchao's stock XNNPACKQuantizer and X86InductorQuantizer (default int8
+configs, same weights, same calibration batches; pt2e_fq/app/accuracy.py);
+`vs stock` marks an integer preset below the better stock quantizer and an
+fp8 preset below w8a8 (issue 17.1's goal). Then the seconds of each stage:
+torch.export, prepare_pt2e, calibration, pipeline.convert, torchao's
+convert_pt2e on a copy of the same prepared model (what pipeline.convert
+replaces), pt2e_fq.save, to_onnx and check_onnx (E2M1 formats have no ONNX
+Runtime CPU kernel: to_onnx refuses them).
+
+QAT table (w8a8), one row per model: the median training step of the QAT
+model over the float model's (same batch, MSE loss, SGD; interleaved),
+inference of the converted model over the float model's (issue 21.6), the
+seconds of pipeline.convert and of torchao's convert_pt2e on a copy (a QAT
+graph keeps its batch norms: convert_pt2e's conv-bn search), and after `--qat-steps` steps of distillation (Adam) and freeze_qat: the SQNR
+of the `.pt2` saved with batch norms folded and loaded back against the
+converted model it was saved from (issue 17.6: inf = bit for bit), of the
+converted model against float, and whether two runs of the converted model
+are equal.
+
+    python benchmarks/bench_accuracy.py [--models resnet18 llama] [--presets w8a8 fp8] [--quick] [--threads N]
+
+--quick: no ONNX stages (the slow ones), 5 timing repeats. Each row is
+also printed as soon as it is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import os
+import platform
+import tempfile
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+from bench_ops import median_ms
+from tabulate import tabulate
+from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+from tqdm import tqdm
+
+import pt2e_fq
+from pt2e_fq.app import pipeline, zoo
+from pt2e_fq.app.accuracy import STOCK_QUANTIZERS, outputs, sqnr_db, stock_quantize
+from pt2e_fq.app.step_time import step_times
+from pt2e_fq.export import check_onnx, to_onnx
+from quantizers import presets
+
+PRESETS = ("w8a8", "w4a8", "w4a16", "w8a16", "fp8", "mxfp8", "mxfp4", "nvfp4")
+INTEGER_PRESETS = ("w8a8", "w4a8", "w4a16", "w8a16")
+STAGES = ("export", "prepare", "calibrate", "convert", "convert_pt2e", "save", "to_onnx", "check_onnx")
+
+
+def _failed(e: Exception) -> str:
+    text = str(e).strip()
+    return f"failed: {type(e).__name__}: {text.splitlines()[0][:60] if text else ''}"
+
+
+class _Stages:
+    """Seconds of each stage; a stage that raises records why and the rest of the row goes on."""
+
+    def __init__(self):
+        self.cells = {}
+
+    def run(self, stage, fn):
+        start = time.perf_counter()
+        try:
+            result = fn()
+        except Exception as e:  # a stage that fails is a cell saying why, not a lost run
+            self.cells[stage] = _failed(e)
+            return None
+        self.cells[stage] = f"{time.perf_counter() - start:.2f}"
+        return result
+
+
+def ptq_row(entry: zoo.ZooEntry, preset: str, reference: torch.Tensor, folder: str, onnx: bool) -> dict:
+    stages = _Stages()
+    gm = stages.run("export", lambda: pipeline.export(entry.model, entry.example))
+    prepared = stages.run("prepare", lambda: prepare_pt2e(gm, pipeline.quantizer_for(preset)))
+    stages.run("calibrate", lambda: pipeline.calibrate(prepared, entry.calibration, progress=False))
+    spare = copy.deepcopy(prepared)
+    converted = stages.run("convert", lambda: pipeline.convert(prepared))
+    stages.run("convert_pt2e", lambda: convert_pt2e(spare))
+    sqnr = sqnr_db(reference, outputs(converted, entry.held_out))
+    path = os.path.join(folder, f"{entry.name}_{preset}")
+    stages.run("save", lambda: pt2e_fq.save(converted, entry.example, path + ".pt2"))
+    if onnx and stages.run("to_onnx", lambda: to_onnx(converted, entry.example, path + ".onnx")) is not None:
+        stages.run("check_onnx", lambda: check_onnx(path + ".onnx", converted, entry.example))
+    return {"sqnr": sqnr, **stages.cells}
+
+
+def qat_row(entry: zoo.ZooEntry, qat_steps: int, timing_steps: int, repeats: int, folder: str) -> list:
+    model = entry.model
+    qat = pipeline.prepare(model, entry.example, "w8a8", qat=True)
+    pipeline.calibrate(qat, entry.calibration, progress=False)
+    with torch.no_grad():
+        targets = [model(*b) for b in entry.calibration]
+    step_ms = step_times({"float": copy.deepcopy(model).train(), "QAT": qat}, entry.example, targets[0],
+                         F.mse_loss, steps=timing_steps)
+    optimizer = torch.optim.Adam([p for p in qat.parameters() if p.requires_grad], lr=1e-4)
+    pairs = list(zip(entry.calibration, targets))
+    pipeline.train(qat, pairs, F.mse_loss, optimizer, epochs=math.ceil(qat_steps / len(pairs)), max_steps=qat_steps,
+                   progress=False)
+    pipeline.freeze_qat(qat, entry.calibration[0])
+    spare = copy.deepcopy(qat)
+    start = time.perf_counter()
+    converted = pipeline.convert(qat)
+    convert_s = time.perf_counter() - start
+    start = time.perf_counter()
+    convert_pt2e(spare)
+    convert_pt2e_s = time.perf_counter() - start
+    held_out = entry.held_out[0]
+    float_ms, converted_ms = median_ms([lambda: model(*held_out), lambda: converted(*held_out)], repeats, "cpu")
+    path = os.path.join(folder, f"{entry.name}_qat.pt2")
+    pt2e_fq.save(converted, entry.example, path)
+    loaded = pt2e_fq.load(path).module()
+    ours = outputs(converted, entry.held_out)
+    deterministic = torch.equal(ours, outputs(converted, entry.held_out))
+    return [entry.name, qat_steps, f"{step_ms['float']:.1f}", f"{step_ms['QAT']:.1f}",
+            f"{step_ms['QAT'] / step_ms['float']:.2f}x", f"{float_ms:.2f}", f"{converted_ms:.2f}",
+            f"{converted_ms / float_ms:.2f}x", f"{convert_s:.2f}", f"{convert_pt2e_s:.2f}", f"{sqnr_db(ours, outputs(loaded, entry.held_out)):.1f}",
+            f"{sqnr_db(outputs(model, entry.held_out), ours):.1f}", "yes" if deterministic else "NO"]
+
+
+def _marks(rows: list, stock: dict) -> None:
+    """The `vs stock` column: an integer preset below the better stock quantizer, fp8 below w8a8."""
+    by_preset = {r["preset"]: r for r in rows}
+    best = max(stock.values(), default=-math.inf)
+    for r in rows:
+        if r["preset"] in INTEGER_PRESETS and r["sqnr"] < best:
+            r["mark"] = f"below stock by {best - r['sqnr']:.1f} dB"
+        elif r["preset"] == "fp8" and "w8a8" in by_preset and r["sqnr"] < by_preset["w8a8"]["sqnr"]:
+            r["mark"] = f"below w8a8 by {by_preset['w8a8']['sqnr'] - r['sqnr']:.1f} dB"
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    import torchao
+
+    return (f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} thread(s); torch {torch.__version__}, "
+            f"torchao {torchao.__version__}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", choices=zoo.NAMES, default=list(zoo.NAMES))
+    parser.add_argument("--presets", nargs="+", choices=PRESETS, default=list(PRESETS))
+    parser.add_argument("--qat-models", nargs="+", choices=zoo.NAMES, default=None,
+                        help="models of the QAT table (default: --models)")
+    parser.add_argument("--qat-steps", type=int, default=10)
+    parser.add_argument("--tables", nargs="+", choices=("ptq", "qat"), default=["ptq", "qat"])
+    parser.add_argument("--quick", action="store_true", help="no ONNX stages, 5 timing repeats")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    assert set(PRESETS) <= set(presets.PRESETS)
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    qat_steps = args.qat_steps
+    repeats = 5 if args.quick else 20
+    ptq_rows, qat_rows = [], []
+    with tempfile.TemporaryDirectory() as folder:
+        ptq_models = args.models if "ptq" in args.tables else ()
+        bar = tqdm(total=len(ptq_models) * (len(args.presets) + len(STOCK_QUANTIZERS)), desc="PTQ", unit="run")
+        for name in ptq_models:
+            entry = zoo.build(name)
+            reference = outputs(entry.model, entry.held_out)
+            stock = {}
+            for q in STOCK_QUANTIZERS:
+                bar.set_postfix_str(f"{name} {q}")
+                try:
+                    stock[q] = sqnr_db(reference, outputs(stock_quantize(entry.model, entry.example,
+                                                                         entry.calibration, q), entry.held_out))
+                except Exception as e:  # noqa: BLE001  (a stock flow that fails on a model is reported)
+                    tqdm.write(f"{name}: {q} {_failed(e)}")
+                bar.update(1)
+            rows = []
+            for preset in args.presets:
+                bar.set_postfix_str(f"{name} {preset}")
+                rows.append({"model": name, "preset": preset,
+                             **ptq_row(entry, preset, reference, folder, onnx=not args.quick)})
+                bar.update(1)
+            _marks(rows, stock)
+            for r in rows:
+                ptq_rows.append([name, r["preset"], f"{r['sqnr']:.1f}",
+                                 *(f"{stock[q]:.1f}" if q in stock else "failed" for q in STOCK_QUANTIZERS),
+                                 r.get("mark", ""), *(r.get(s, "") for s in STAGES)])
+                tqdm.write(" | ".join(ptq_rows[-1]))
+        bar.close()
+        qat_models = (args.qat_models or args.models) if "qat" in args.tables else ()
+        for name in tqdm(qat_models, desc="QAT", unit="model"):
+            qat_rows.append(qat_row(zoo.build(name), qat_steps, 5 if args.quick else 10, repeats, folder))
+            tqdm.write(" | ".join(map(str, qat_rows[-1])))
+    print(f"\n{machine()}")
+    if ptq_rows:
+        print(f"PTQ: SQNR (dB) of the converted model's outputs against float on {zoo.HELD_OUT_BATCHES} held-out "
+              f"batches; {zoo.CALIBRATION_BATCHES} calibration batches; stage times in seconds")
+        print(tabulate(ptq_rows, headers=["model", "preset", "SQNR", "XNNPACK", "X86", "vs stock",
+                                          *[f"{s} s" for s in STAGES]], disable_numparse=True))
+    if not qat_rows:
+        return
+    print(f"\nQAT w8a8: step time median of {5 if args.quick else 10} interleaved steps; inference median of "
+          f"{repeats}; .pt2 drift after {qat_steps} steps (inf: bit for bit)")
+    print(tabulate(qat_rows, headers=["model", "steps", "float step ms", "QAT step ms", "QAT / float",
+                                      "float infer ms", "converted infer ms", "converted / float",
+                                      "convert s", "convert_pt2e s",
+                                      "SQNR .pt2 vs converted", "SQNR converted vs float", "deterministic"],
+                   disable_numparse=True))
+
+
+if __name__ == "__main__":
+    main()
