@@ -93,24 +93,33 @@ QAT_STEPS = 3
 # more than one output node", its conv-add-relu annotation): the other one
 # is the reference there.
 BELOW_STOCK = {
-    ("resnet18", "w4a8"): "0.3 dB, XNNPACKQuantizer 14.3 (int4 weights against stock int8)",
+    ("resnet18", "w4a8"): "0.4 dB, XNNPACKQuantizer 14.3 (int4 weights against stock int8)",
     ("resnet18", "w4a16"): "0.4 dB, XNNPACKQuantizer 14.3 (int4 weights against stock int8)",
-    ("mobilenet_v3_small", "w8a8"): "3.1 dB, X86InductorQuantizer 4.6",
-    ("vit_tiny", "w8a8"): "10.3 dB, X86InductorQuantizer 32.8",
-    ("llama", "w8a8"): "28.8 dB, X86InductorQuantizer 34.8",
-    ("llama", "w4a8"): "15.1 dB, X86InductorQuantizer 34.8 (int4 weights against stock int8)",
+    ("vit_tiny", "w8a8"): "31.6 dB, X86InductorQuantizer 32.8",
+    ("llama", "w8a8"): "34.6 dB, X86InductorQuantizer 34.8",
+    ("llama", "w4a8"): "16.6 dB, X86InductorQuantizer 34.8 (int4 weights against stock int8)",
     ("llama", "w4a16"): "16.9 dB, X86InductorQuantizer 34.8 (int4 weights against stock int8)",
-    ("bert", "w8a8"): "34.2 dB, X86InductorQuantizer 37.6",
-    ("gpt2", "w8a8"): "32.6 dB, X86InductorQuantizer 40.7",
+    ("gpt2", "w8a8"): "40.2 dB, X86InductorQuantizer 40.7",
 }
-# fp8 measured below w8a8 (issue 17.1: fp8 at least as good as w8a8), dB.
+# fp8 measured below w8a8 (issue 17.1: fp8 at least as good as w8a8), dB:
+# FP8 E4M3 keeps about 31 dB per tensor against about 40 dB for int8 per
+# channel (docs/quantizers.md).
 FP8_BELOW_W8A8 = {
-    "resnet18": "fp8 5.8, w8a8 14.6",
-    "mobilenet_v3_small": "fp8 2.9, w8a8 3.1",
-    "efficientnet_b0": "fp8 1.7, w8a8 5.6",
-    "llama": "fp8 20.0, w8a8 28.8",
-    "bert": "fp8 23.3, w8a8 34.2",
-    "gpt2": "fp8 22.1, w8a8 32.6",
+    "resnet18": "fp8 6.5, w8a8 15.3",
+    "vit_tiny": "fp8 22.5, w8a8 31.6",
+    "llama": "fp8 25.2, w8a8 34.6",
+    "bert": "fp8 27.5, w8a8 39.0",
+    "gpt2": "fp8 28.7, w8a8 40.2",
+}
+# check_onnx fails on these (issue 17), not yet explained.
+ONNX_FAILS = {
+    ("mobilenet_v3_small", "w8a8"): (
+        "issue 17: the logits (float: the presets leave them so) are 17.3 dB from torch with ORT's "
+        "basic optimisations, exact with none, while the diagnostic run finds every point "
+        "bit-exact; the float model alone is 110 dB from torch in ORT. Likely: ORT fuses "
+        "DQ -> Conv -> Q (a linear bottleneck's conv into the next conv's point) into an "
+        "integer-requantizing kernel whose rounding flips, which the diagnostic run, exposing "
+        "every point as an output, prevents; this random-init net amplifies a flip ~18 dB per layer"),
 }
 
 
@@ -253,7 +262,9 @@ def test_fp8_is_at_least_as_good_as_w8a8(suite, name):
 # -- ONNX --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, preset", ONNX_CASES)
+@pytest.mark.parametrize("name, preset", [
+    pytest.param(*case, marks=[pytest.mark.xfail(strict=True, reason=ONNX_FAILS[case])] if case in ONNX_FAILS else [])
+    for case in ONNX_CASES])
 def test_onnx_export_checks_in_onnx_runtime(suite, name, preset, tmp_path):
     e, converted = suite.entry(name), suite.ptq(name, preset).converted
     path = tmp_path / f"{name}_{preset}.onnx"
