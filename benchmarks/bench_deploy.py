@@ -18,8 +18,9 @@ For a ResNet-style conv net and a transformer encoder block, at batch 1 and
   calibration, compiled the same way;
 - float .pte (ExecuTorch, XNNPACK fp32); ours .pte (to_executorch, XNNPACK
   int8, quantized with presets.every_point("w8a8"): XNNPACK delegates an
-  int8 op only with its output quantized); stock .pte: ExecuTorch's XNNPACKQuantizer (symmetric per-channel),
-  the same calibration.
+  int8 op only with its output quantized); stock .pte: XNNPACKQuantizer
+  (torchao's copy of ExecuTorch's class, symmetric per-channel), the same
+  calibration.
 
 Printed per model and batch: the median latency of one forward, its
 speed-up over the float model of the same runtime (Inductor int8 against
@@ -46,8 +47,10 @@ from tabulate import tabulate
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
 from pt2e_fq.app import pipeline
+from pt2e_fq.app.accuracy import stock_quantizer
 from pt2e_fq.app.models import EncoderBlock
 from pt2e_fq.export import compile_x86, run_pte, to_executorch, to_qdq
+from pt2e_fq.report import sqnr_db
 from quantizers import presets
 
 CALIBRATION_BATCHES = 4
@@ -112,32 +115,11 @@ MODELS = {
 }
 
 
-def _sqnr_db(ref: torch.Tensor, y: torch.Tensor) -> float:
-    noise = (ref - y).float().pow(2).mean()
-    return float(10 * torch.log10(ref.float().pow(2).mean() / noise)) if noise > 0 else float("inf")
-
-
-def _stock_x86(model, example, calibration):
-    from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
-        X86InductorQuantizer,
-        get_default_x86_inductor_quantization_config,
-    )
-
-    quantizer = X86InductorQuantizer().set_global(get_default_x86_inductor_quantization_config())
-    prepared = prepare_pt2e(torch.export.export(model, example).module(), quantizer)
-    for batch in calibration:
-        prepared(*batch)
-    return convert_pt2e(prepared)
-
-
-def _stock_xnnpack(model, example, calibration):
-    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
-        XNNPACKQuantizer,
-        get_symmetric_quantization_config,
-    )
-
-    quantizer = XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_per_channel=True))
-    prepared = prepare_pt2e(torch.export.export(model, example).module(), quantizer)
+def _stock(model, example, calibration, name: str):
+    """torchao's stock flow with quantizer `name` (pt2e_fq.app.accuracy's
+    default configs), exported at the example's static shape as the
+    runtimes take it."""
+    prepared = prepare_pt2e(torch.export.export(model, example).module(), stock_quantizer(name))
     for batch in calibration:
         prepared(*batch)
     return convert_pt2e(prepared)
@@ -185,8 +167,8 @@ def bench(name: str, batch: int, repeats: int, folder: str) -> list:
         extra_name, extra_config = EXTRA_INDUCTOR[name]
         extra[extra_name] = pipeline.quantize(model, example, extra_config(), calibration=calibration,
                                               progress=False)
-    stock_x86 = _stock_x86(model, example, calibration)
-    stock_xnn = _stock_xnnpack(model, example, calibration)
+    stock_x86 = _stock(model, example, calibration, "X86InductorQuantizer")
+    stock_xnn = _stock(model, example, calibration, "XNNPACKQuantizer")
     tag = f"{name}_b{batch}"
 
     def ours_x86(converted):
@@ -220,7 +202,7 @@ def bench(name: str, batch: int, repeats: int, folder: str) -> list:
             failed[k] = f"failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:90]}"
     with torch.no_grad():
         reference = model(*example)
-        sqnr = {k: _sqnr_db(reference, fn()) for k, (_, fn) in variants.items()}
+        sqnr = {k: sqnr_db(reference, fn()) for k, (_, fn) in variants.items()}
         # Each runtime's variants are timed together, one runtime after the
         # other: XNNPACK's worker threads and Inductor's OpenMP threads would
         # otherwise compete for the same cores within a repeat.
