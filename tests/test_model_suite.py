@@ -115,11 +115,13 @@ FP8_BELOW_W8A8 = {
 ONNX_FAILS = {
     ("mobilenet_v3_small", "w8a8"): (
         "issue 17: the logits (float: the presets leave them so) are 17.3 dB from torch with ORT's "
-        "basic optimisations, exact with none, while the diagnostic run finds every point "
-        "bit-exact; the float model alone is 110 dB from torch in ORT. Likely: ORT fuses "
-        "DQ -> Conv -> Q (a linear bottleneck's conv into the next conv's point) into an "
-        "integer-requantizing kernel whose rounding flips, which the diagnostic run, exposing "
-        "every point as an output, prevents; this random-init net amplifies a flip ~18 dB per layer"),
+        "optimisations on, within float rounding with them off. ORT's optimised run first leaves "
+        "torch's values at fake_quantize_affine_59 (3 of 8192 elements flip) whose input is off by "
+        "6.7e-5 against check_onnx's float-rounding bound of 5.3e-5 (1e-5 of its largest magnitude): "
+        "under the presets a point's input comes through a float conv and the float ops after it, "
+        "which ORT's optimiser rewrites (HardSwish into HardSigmoid * x) and sums in another order; "
+        "this random-init net amplifies the flips ~18 dB per layer. Whether the bound should widen "
+        "for such paths is open"),
 }
 
 
@@ -263,7 +265,8 @@ def test_fp8_is_at_least_as_good_as_w8a8(suite, name):
 
 
 @pytest.mark.parametrize("name, preset", [
-    pytest.param(*case, marks=[pytest.mark.xfail(strict=True, reason=ONNX_FAILS[case])] if case in ONNX_FAILS else [])
+    pytest.param(*case, marks=[pytest.mark.xfail(strict=True, raises=AssertionError, reason=ONNX_FAILS[case])]
+                 if case in ONNX_FAILS else [])
     for case in ONNX_CASES])
 def test_onnx_export_checks_in_onnx_runtime(suite, name, preset, tmp_path):
     e, converted = suite.entry(name), suite.ptq(name, preset).converted
