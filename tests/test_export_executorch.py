@@ -14,6 +14,7 @@ from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
 import pt2e_fq as q
 from pt2e_fq.export import UnsupportedPointError, check_lowered, run_pte, to_executorch
+from quantizers import presets
 
 try:
     import executorch.runtime  # noqa: F401
@@ -142,7 +143,8 @@ def _conv_pool_conv():
 
     torch.manual_seed(0)
     batches = [(torch.randn(4, 1, 8, 8),) for _ in range(3)]
-    return pipeline.quantize(ConvPoolConv().eval(), batches[0], "w8a8", calibration=batches, progress=False)
+    return pipeline.quantize(ConvPoolConv().eval(), batches[0], presets.every_point("w8a8"), calibration=batches,
+                             progress=False)
 
 
 @needs_executorch

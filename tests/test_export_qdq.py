@@ -21,6 +21,7 @@ from pt2e_fq.app import pipeline
 from pt2e_fq.app.models import CNN, EncoderBlock
 from pt2e_fq.export import UnsupportedPointError, check_lowered, compile_x86, to_qdq
 from pt2e_fq.fake_quantize import FakeQuantize
+from quantizers import presets
 
 qd = torch.ops.quantized_decomposed
 ACT = q.QSpec(q.INT8, q.PerTensor(), "asymmetric")
@@ -124,18 +125,22 @@ def test_the_codes_are_the_kernels_where_torchs_quantize_rounds_ties_the_other_w
     assert (torch_codes != ours).any(), "no tie in this weight: the test would not tell the two apart"
 
 
+# The XNNPACK layout (every tensor quantized, the output too: docs/export.md),
+# which every target lowers and the tests compare with the output point's step.
 def _cnn_w8a8(dynamic=True):
     torch.manual_seed(0)
     model = CNN(channels=8).eval()
     batches = [(torch.randn(4, 3, 8, 8),) for _ in range(4)]
-    return pipeline.quantize(model, batches[0], "w8a8", calibration=batches, progress=False)
+    return pipeline.quantize(model, batches[0], presets.every_point("w8a8"), calibration=batches,
+                             progress=False)
 
 
 def _encoder_w8a8():
     torch.manual_seed(0)
     model = EncoderBlock().eval()
     batches = [(torch.randn(2, 6, 32),) for _ in range(4)]
-    return pipeline.quantize(model, batches[0], "w8a8", calibration=batches, progress=False)
+    return pipeline.quantize(model, batches[0], presets.every_point("w8a8"), calibration=batches,
+                             progress=False)
 
 
 def _qat_conv_bn():
