@@ -12,6 +12,7 @@ from quantizer_models import single_thread  # noqa: F401 (an autouse fixture)
 
 import pt2e_fq
 from pt2e_fq.app import pipeline
+from quantizers import presets
 
 
 class Mutating(nn.Module):
@@ -40,7 +41,9 @@ class Mutating(nn.Module):
 def _converted(inplace):
     torch.manual_seed(0)
     x = torch.randn(16, 8)
-    prepared = pipeline.prepare(Mutating(inplace).eval(), (x,), "w8a8")
+    # every_point: the presets place no output points, and this test needs
+    # one (fc's) whose output an in-place op mutates.
+    prepared = pipeline.prepare(Mutating(inplace).eval(), (x,), presets.every_point("w8a8"))
     pipeline.calibrate(prepared, [(x,)], progress=False)
     return pipeline.convert(prepared), x
 
