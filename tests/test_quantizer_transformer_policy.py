@@ -37,25 +37,6 @@ from pt2e_fq.app import pipeline
 MARGIN_DB = 1.5
 
 
-def _torchvision_schemas():
-    """transformers imports torchvision where it is installed; its PyPI wheel
-    links libtorch_cuda, so beside the CPU torch its C ops do not load and
-    the import fails on the missing `torchvision::nms` schema. Defining the
-    two schemas its Python code registers lets its pure-Python parts load
-    (docs: DESIGN, known traps). Kept alive at module level."""
-    try:
-        torch._C._get_schema("torchvision::nms", "")
-        return None
-    except RuntimeError:
-        lib = torch.library.Library("torchvision", "DEF")
-        lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        lib.define("qnms(Tensor qdets, Tensor scores, float iou_threshold) -> Tensor")
-        return lib
-
-
-_TORCHVISION_LIB = _torchvision_schemas()
-
-
 class TinyViT(nn.Module):
     """timm's VisionTransformer in small: patch-embedding conv, a class token
     initialised as timm does (std 1e-6) concatenated in front of the
