@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from rank_processes import spawn_ranks
 
 import pt2e_fq as q
 import pt2e_fq.distributed as qdist
@@ -35,7 +36,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 def _run(fn, out_dir, *args):
     """fn(rank, out_dir, *args) in WORLD processes joined in a gloo group;
     returns what each rank's fn returned (saved with torch.save)."""
-    mp.spawn(_worker, args=(fn, str(out_dir), args), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, (fn, str(out_dir), args), WORLD, [os.path.join(out_dir, f"rank{r}.pt") for r in range(WORLD)])
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
 
 

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from rank_processes import spawn_ranks
 
 import pt2e_fq as q
 import pt2e_fq.distributed as qdist
@@ -70,7 +70,7 @@ def _worker(rank, out_dir):
 
 
 def test_ddp_averages_the_learned_qparams_gradients(tmp_path):
-    mp.spawn(_worker, args=(str(tmp_path),), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, (str(tmp_path),), WORLD, [tmp_path / f"rank{r}.pt" for r in range(WORLD)])
     got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     per_rank = []
     for rank in range(WORLD):  # one process, each rank's batch
@@ -115,7 +115,7 @@ def _drift_worker(rank, out_dir):
 
 
 def test_the_distributed_helpers_find_and_fix_learned_qparams_that_differ(tmp_path):
-    mp.spawn(_drift_worker, args=(str(tmp_path),), nprocs=WORLD, join=True)
+    spawn_ranks(_drift_worker, (str(tmp_path),), WORLD, [tmp_path / f"drift{r}.pt" for r in range(WORLD)])
     got = [torch.load(tmp_path / f"drift{r}.pt") for r in range(WORLD)]
     learned = ["weight_fq.scale", "out_fq.scale", "out_fq.zero_point"]
     for name in learned:  # the premise: one step on different batches moved them apart
