@@ -33,7 +33,13 @@ from .formats import (
     IntFormat,
 )
 from .granularity import PerBlock, PerChannel, PerGroup, PerTensor, PerToken
-from .observers import CurrentMinMaxObserver, MinMaxObserver, MovingAverageMinMaxObserver, MSEObserver
+from .observers import (
+    CurrentMinMaxObserver,
+    HistogramObserver,
+    MinMaxObserver,
+    MovingAverageMinMaxObserver,
+    MSEObserver,
+)
 from .ops import fake_quantize_affine, fake_quantize_float, fake_quantize_mx, fake_quantize_nvfp4
 from .qspec import QSpec
 from .schemes import Formulation, Scheme
@@ -79,6 +85,7 @@ __all__ = [
     "MinMaxObserver",
     "MovingAverageMinMaxObserver",
     "MSEObserver",
+    "HistogramObserver",
     "CurrentMinMaxObserver",
 ]
 __version__ = _metadata_version("pt2e_fq")  # one place: pyproject.toml

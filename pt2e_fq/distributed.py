@@ -2,11 +2,13 @@
 
 When torch.distributed is initialised with more than one rank, every static
 point whose observer keeps a running range (MinMaxObserver,
-MovingAverageMinMaxObserver) all-reduces the per-block min and max of each
-batch over the process group before it updates that range, so N ranks
-calibrate exactly as one process on all their data, and every rank holds the
-same range and qparams at every step. One collective per point per
-observation: an all-reduce MIN of cat([lo, -hi]).
+MovingAverageMinMaxObserver, HistogramObserver) all-reduces the per-block
+min and max of each batch over the process group before it updates that
+range, so N ranks calibrate exactly as one process on all their data, and
+every rank holds the same range and qparams at every step. One collective
+per point per observation: an all-reduce MIN of cat([lo, -hi]);
+HistogramObserver adds one, an all-reduce SUM of the batch's bin counts
+(binned over the reduced range, so the bins are the same on every rank).
 
     import pt2e_fq.distributed as qdist
     qdist.configure(group=dp_group)       # default: the world group
@@ -73,7 +75,7 @@ def check_ranks_agree(
     named = [
         (f"{path}.{name}" if path else name, m._state(name))
         for path, m in _points(model)
-        for name in m._qparam_buffer_names() + ("min_val", "max_val")
+        for name in m._qparam_buffer_names() + ("min_val", "max_val", "histogram")
         if not synced_only or m._observer.keeps_range
         if m._state(name) is not None
     ]

@@ -29,7 +29,7 @@ from .schemes import Formulation, Scheme
 # Buffers that only matter before convert: the observers' running range, the
 # count of non-finite values they ignored and torchao's on/off switches
 # (every buffer becomes an exported program input).
-_PREPARE_ONLY_BUFFERS = ("min_val", "max_val", "nonfinite", "fake_quant_enabled", "observer_enabled")
+_PREPARE_ONLY_BUFFERS = ("min_val", "max_val", "histogram", "nonfinite", "fake_quant_enabled", "observer_enabled")
 
 
 class UncalibratedError(RuntimeError):
@@ -95,7 +95,9 @@ class FakeQuantize(FakeQuantizeBase):
     Buffers of a static point: the qparams (`scale` and `zero_point` or
     `minval`; shape ceil(x.shape / block_size), same rank as x, fp32 / int32,
     created at the first observation) and, while prepared, the running range
-    `min_val` / `max_val` of MinMax and MovingAverageMinMax observers, the
+    `min_val` / `max_val` of MinMax, MovingAverageMinMax and Histogram
+    observers (and HistogramObserver's `histogram`, float64, the qparams'
+    shape + (bins,)), the
     count `nonfinite` of NaN / Inf input values the observer ignored (int64,
     not saved in the state_dict: a diagnostic, see `nonfinite_count`) plus
     torchao's `fake_quant_enabled` / `observer_enabled`. A dynamic point
@@ -163,6 +165,8 @@ class FakeQuantize(FakeQuantizeBase):
             if self._observer.keeps_range:
                 self.register_buffer("min_val", torch.empty(0))
                 self.register_buffer("max_val", torch.empty(0))
+            if self._observer.keeps_histogram:
+                self.register_buffer("histogram", torch.empty(0, dtype=torch.float64))
             # On the device, added to at every observation: counting must not sync.
             self.register_buffer("nonfinite", torch.zeros((), dtype=torch.int64), persistent=False)
 
@@ -268,7 +272,23 @@ class FakeQuantize(FakeQuantizeBase):
                 return observer_sync.all_reduce_range(lo, hi, sync_group)
 
             lo, hi = self._observer.observe(x, block_size, running, fake_quantize_range, reduce_range)
+        if self._observer.keeps_histogram:
+            return (lo, hi), self._kind.qparams_from_range(
+                self.qspec, *self._histogram_range(x, block_size, running, (lo, hi), sync_group), x.dtype)
         return (lo, hi), self._kind.qparams_from_range(self.qspec, lo, hi, x.dtype)
+
+    def _histogram_range(self, x, block_size, old, new, sync_group):
+        """HistogramObserver: adds x to the stored histogram (over the new
+        running range `new`) and returns the range its search picks."""
+        reduce_sum = None if sync_group is None else (lambda t: observer_sync.all_reduce_sum(t, sync_group))
+        histogram = self._observer.accumulate(x, block_size, old, new, self.histogram, reduce_sum)
+        self._store("histogram", histogram)
+
+        def fake_quantize_rows(values, lo, hi):
+            qparams = self._kind.qparams_from_range(self.qspec, lo, hi, x.dtype)
+            return self._kind.fake_quantize(self.qspec, values.to(x.dtype), (1, values.shape[1]), qparams)
+
+        return self._observer.search(histogram, *new, fake_quantize_rows)
 
     def _sync_group(self):
         """The process group this point's observer all-reduces over, or None:

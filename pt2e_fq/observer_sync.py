@@ -66,3 +66,10 @@ def all_reduce_range(lo: torch.Tensor, hi: torch.Tensor, group: "dist.ProcessGro
     dist.all_reduce(both, op=dist.ReduceOp.MIN, group=group)
     return both[:n].view(lo.shape), both[n:].neg().view(hi.shape)
 
+
+
+def all_reduce_sum(t: torch.Tensor, group: "dist.ProcessGroup") -> torch.Tensor:
+    """`t` summed over the ranks of `group` (HistogramObserver's counts)."""
+    t = t.clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t

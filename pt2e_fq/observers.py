@@ -23,7 +23,7 @@ from typing import Callable, ClassVar, Optional, Sequence
 
 import torch
 
-from .blocks import reduce_blocks
+from .blocks import expand_blocks, reduce_blocks
 
 Range = tuple[torch.Tensor, torch.Tensor]
 # (lo, hi) -> x fake-quantized with the qparams of that range.
@@ -54,6 +54,9 @@ class Observer:
     the observer computes qparams from the live tensor, for dynamic points."""
 
     keeps_range: ClassVar[bool] = False
+    # The module also keeps a histogram per block over the running range
+    # (HistogramObserver: `accumulate` and `search`).
+    keeps_histogram: ClassVar[bool] = False
     dynamic: ClassVar[bool] = False
     # Whether the fused observe ops (observe_ops.py) reproduce `observe`
     # (with `fused_averaging_constant`): a subclass with an update of its
@@ -188,6 +191,123 @@ class MSEObserver(Observer):
 
 
 @dataclass(frozen=True)
+class HistogramObserver(RangeObserver):
+    """Calibration of static activations that clips outliers: the running
+    range is every batch's min / max (as MinMaxObserver), and the module
+    keeps a histogram of every value seen, `bins` bins per block over that
+    range (re-binned by bin centre when a batch widens it). The qparams come
+    from the range that minimises the histogram's expected squared
+    fake-quant error: lo and hi scaled toward 0 independently (a skewed
+    activation, one long tail, wants only that side clipped) by fractions
+    from 1 down to `min_fraction`, `num_candidates` steps each way (a grid
+    of a third of them, then one as fine around its best); every bin is
+    sampled at `samples_per_bin` evenly spaced points, fake-quantized by
+    the point's own op, so the error is the format's, integer or float.
+    Ties keep the earlier candidate, the wider range first. The search
+    fake-quantizes about ((num_candidates / 3)**2 + 49) * bins *
+    samples_per_bin values per block and batch: meant for per-tensor
+    activations in calibration (QAT steps keep a MinMax range: presets.py)."""
+
+    bins: int = 2048
+    num_candidates: int = 24
+    min_fraction: float = 0.2
+    samples_per_bin: int = 2
+
+    keeps_histogram: ClassVar[bool] = True
+
+    def __post_init__(self):
+        for name, low in (("bins", 1), ("num_candidates", 1), ("samples_per_bin", 1)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ValueError(f"HistogramObserver: {name} must be an int >= {low}, got {v!r}")
+        f = self.min_fraction
+        if not isinstance(f, (int, float)) or isinstance(f, bool) or not 0 < f <= 1:
+            raise ValueError(f"HistogramObserver: min_fraction must be in (0, 1], got {f!r}")
+
+    def update(self, running, batch):
+        return torch.minimum(running[0], batch[0]), torch.maximum(running[1], batch[1])
+
+    def _bin_of(self, values: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+        """The bin of each value in [lo, hi] (broadcast), clamped to the ends;
+        every value of an empty or one-point range is in bin 0."""
+        width = hi - lo
+        pos = (values - lo) / torch.where(width > 0, width, 1.0) * self.bins
+        return pos.floor().clamp(0, self.bins - 1).long()
+
+    def accumulate(self, x: torch.Tensor, block_size: Sequence[int], old: Optional[Range], new: Range,
+                   histogram: Optional[torch.Tensor], reduce_sum: Optional[Callable] = None) -> torch.Tensor:
+        """The histogram (float64, reduced shape + (bins,)) over the range
+        `new` of the values so far: `histogram` (over `old`, None before the
+        first batch) re-binned, plus x's finite values (counted over every
+        rank with `reduce_sum`, an all-reduce SUM: the ranges are already
+        the same on every rank)."""
+        lo, hi = new
+        blocks = lo.numel()
+        xf = x.float()
+        finite = torch.isfinite(xf)
+        lo_x = expand_blocks(lo, x.shape, block_size)
+        ids = expand_blocks(torch.arange(blocks, device=x.device).reshape(lo.shape), x.shape, block_size)
+        # A non-finite value counts 0 (its bin would be NaN): it is binned at lo.
+        index = ids * self.bins + self._bin_of(torch.where(finite, xf, lo_x), lo_x,
+                                               expand_blocks(hi, x.shape, block_size))
+        counts = torch.zeros(blocks * self.bins, dtype=torch.float64, device=x.device)
+        counts.scatter_add_(0, index.reshape(-1), finite.reshape(-1).double())
+        if reduce_sum is not None:
+            counts = reduce_sum(counts)
+        counts = counts.view(*lo.shape, self.bins)
+        if histogram is None or histogram.numel() == 0:
+            return counts
+        olo, ohi = old[0].unsqueeze(-1), old[1].unsqueeze(-1)
+        centres = olo + (torch.arange(self.bins, device=x.device) + 0.5) * ((ohi - olo) / self.bins)
+        moved = self._bin_of(centres, lo.unsqueeze(-1), hi.unsqueeze(-1))
+        return counts.scatter_add_(-1, moved, histogram)
+
+    def search(self, histogram: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+               fake_quantize_rows: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> Range:
+        """Per block, the candidate range with the smallest expected squared
+        error over the histogram. `fake_quantize_rows(values, lo, hi)`
+        fake-quantizes each row of `values` with the qparams of that row's
+        range (lo, hi: one per row). Two passes: a coarse grid of fractions
+        for lo and hi, then a grid a third as fine around the coarse best."""
+        shape, s, n = lo.shape, self.samples_per_bin, self.num_candidates
+        lo, hi = lo.reshape(-1, 1), hi.reshape(-1, 1)
+        counts = histogram.reshape(-1, self.bins).float()
+        offsets = (torch.arange(self.bins * s, device=lo.device) + 0.5) / (self.bins * s)
+        values = lo + offsets * (hi - lo)  # (blocks, bins * s): the bins' sample points
+        weights = counts.repeat_interleave(s, dim=1).unsqueeze(-1)  # (blocks, bins * s, 1)
+        coarse = (n + 2) // 3
+        step = (1.0 - self.min_fraction) / max(coarse - 1, 1)
+        grid = torch.arange(coarse, device=lo.device) * -step + 1.0  # 1 .. min_fraction
+        best_a, best_b = self._best(values, weights, lo, hi, grid.view(1, -1), grid.view(1, -1), fake_quantize_rows)
+        fine = torch.arange(-3, 4, device=lo.device) * (step / 3)  # around the coarse best, within the bounds
+        around = lambda f: (f + fine.view(1, -1)).clamp(self.min_fraction, 1.0)  # noqa: E731
+        best_a, best_b = self._best(values, weights, lo, hi, around(best_a), around(best_b), fake_quantize_rows)
+        chosen_lo, chosen_hi = lo * best_a, hi * best_b
+        empty = lo > hi  # a block that saw no finite value keeps its empty range
+        return (torch.where(empty, lo, chosen_lo).view(shape), torch.where(empty, hi, chosen_hi).view(shape))
+
+    @staticmethod
+    def _best(values, weights, lo, hi, fa, fb, fake_quantize_rows):
+        """The fractions (a, b), one pair per block from fa x fb (each
+        (blocks or 1, k)), whose range [lo * a, hi * b] gives the smallest
+        weighted squared error; the first in order on a tie."""
+        blocks, m = values.shape
+        a = fa.expand(blocks, -1).unsqueeze(2).expand(-1, -1, fb.shape[1]).reshape(blocks, -1)
+        b = fb.expand(blocks, -1).unsqueeze(1).expand(-1, fa.shape[1], -1).reshape(blocks, -1)
+        k = a.shape[1]
+        err = torch.empty(blocks, k, device=values.device)
+        rows = max(1, (1 << 22) // m)  # values per op call: about 4M
+        for start in range(0, k, rows):
+            stop = min(k, start + rows)
+            v = values.unsqueeze(1).expand(-1, stop - start, -1).reshape(-1, m)
+            q = fake_quantize_rows(v, (lo * a[:, start:stop]).reshape(-1, 1), (hi * b[:, start:stop]).reshape(-1, 1))
+            sq = (q.float() - v).square_().view(blocks, stop - start, m)
+            err[:, start:stop] = torch.bmm(sq, weights).squeeze(-1)
+        best = err.argmin(dim=1, keepdim=True)  # the first minimum
+        return a.gather(1, best), b.gather(1, best)
+
+
+@dataclass(frozen=True)
 class CurrentMinMaxObserver(Observer):
     """The live tensor's min and max at every call: current scaling for
     dynamic points (per-tensor, per-token or any granularity); on a static
@@ -206,4 +326,4 @@ class CurrentMinMaxObserver(Observer):
         return block_min_max(x, block_size)
 
 
-OBSERVERS = (MinMaxObserver, MovingAverageMinMaxObserver, MSEObserver, CurrentMinMaxObserver)
+OBSERVERS = (MinMaxObserver, MovingAverageMinMaxObserver, HistogramObserver, MSEObserver, CurrentMinMaxObserver)

@@ -19,6 +19,7 @@ from typing import Any
 from pt2e_fq import (
     CurrentMinMaxObserver,
     FloatFormat,
+    HistogramObserver,
     IntFormat,
     MinMaxObserver,
     MovingAverageMinMaxObserver,
@@ -42,6 +43,7 @@ OBSERVER_NAMES = {
     "min_max": MinMaxObserver,
     "moving_average_min_max": MovingAverageMinMaxObserver,
     "mse": MSEObserver,
+    "histogram": HistogramObserver,
     "current_min_max": CurrentMinMaxObserver,
 }
 QSPEC_KEYS = ("format", "granularity", "scheme", "formulation", "observer", "dynamic", "learnable", "grad_factor")

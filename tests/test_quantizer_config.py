@@ -106,7 +106,7 @@ module_name_regex:
 def test_get_preset_returns_an_independent_copy():
     config = presets.get_preset("w8a8").set_module_name("head", None)
     assert "head" in config.module_name
-    assert "head" not in presets.W8A8.module_name
+    assert "head" not in presets.PRESETS["w8a8"].module_name
     with pytest.raises(ValueError, match="unknown preset 'w9a9'; allowed: w8a8, w4a8, w4a16, w8a16, fp8, mxfp8"):
         presets.get_preset("w9a9")
 
@@ -134,9 +134,9 @@ _QSPEC = {"format": "int8"}
          "global.weight.granularity (per_group): unknown key 'size'; allowed: group_size, axis"),
         ({"global": {"weight": {"format": "int8", "observer": {"type": "mse", "candidates": 3}}}},
          "global.weight.observer (mse): unknown key 'candidates'; allowed: num_candidates, min_fraction"),
-        ({"global": {"weight": {"format": "int8", "observer": "histogram"}}},
-         "global.weight.observer: unknown observer 'histogram'; allowed: min_max, moving_average_min_max, mse, "
-         "current_min_max"),
+        ({"global": {"weight": {"format": "int8", "observer": "percentile"}}},
+         "global.weight.observer: unknown observer 'percentile'; allowed: min_max, moving_average_min_max, mse, "
+         "histogram, current_min_max"),
         ({"operator_type": {"softmax": None}}, "operator_type['softmax']: unknown op type 'softmax'; allowed: linear, "
                                                "conv1d, conv2d, conv3d, conv_transpose1d, conv_transpose2d, matmul"),
         ({"module_type": {"torch.nn.Linea": None}}, "module_type['torch.nn.Linea']: 'torch.nn.Linea' is not an "
@@ -185,7 +185,7 @@ def test_a_yaml_key_that_is_not_a_string_is_refused(tmp_path, section):
 
 @pytest.mark.parametrize("field, kind, allowed", [
     ("granularity", "granularity", "per_tensor, per_channel, per_group, per_block, per_token"),
-    ("observer", "observer", "min_max, moving_average_min_max, mse, current_min_max"),
+    ("observer", "observer", "min_max, moving_average_min_max, mse, histogram, current_min_max"),
 ])
 @pytest.mark.parametrize("value", [["per_tensor"], {"name": "x"}, 3])
 def test_a_type_that_is_not_a_name_is_a_config_error(tmp_path, field, kind, allowed, value):
