@@ -152,8 +152,8 @@ def measure(name, model, x, target, loss_fn, *, device, dtype, modes, steps):
     model = model.to(device, dtype).train()
     x, target = _to(x, device, dtype), _to(target, device, dtype)
     flows = {"float": model}
-    for flow, quantizer in [("pt2e_fq", FakeQuantQuantizer(presets.get_preset(PRESET))),
-                            ("torchao FakeQuantize", StockFakeQuantQuantizer(presets.get_preset(PRESET)))]:
+    for flow, quantizer in [("pt2e_fq", FakeQuantQuantizer(presets.get_preset(PRESET, qat=True))),
+                            ("torchao FakeQuantize", StockFakeQuantQuantizer(presets.get_preset(PRESET, qat=True)))]:
         try:
             prepared = pipeline.prepare(model, (x,), quantizer, qat=True)
             pipeline.calibrate(prepared, [x], progress=False)  # qparams exist before the timed steps

@@ -2,7 +2,7 @@
 from a QuantizerConfig, refuses what the backend cannot run, and describes
 what it will do before prepare.
 
-    quantizer = FakeQuantQuantizer(presets.W8A8)
+    quantizer = FakeQuantQuantizer(presets.get_preset("w8a8"))
     gm = torch.export.export(model, example).module()
     print(quantizer.describe(gm))
     prepared = prepare_pt2e(gm, quantizer)   # or prepare_qat_pt2e

@@ -324,7 +324,7 @@ def test_qat_step_on_cuda_makes_no_host_sync(preset):
     torch.manual_seed(0)
     model, x = (EncoderBlock(d=64, hidden=128), torch.randn(4, 8, 64)) if preset != "w8a8" else (CNN(), torch.randn(4, 3, 8, 8))
     gm = torch.export.export(model.train(), (x,)).module()
-    prepared = prepare_qat_pt2e(gm, quantizer_for(preset)).cuda()
+    prepared = prepare_qat_pt2e(gm, quantizer_for(preset, qat=True)).cuda()
     x = x.cuda()
     opt = torch.optim.SGD(prepared.parameters(), lr=0.01)
 

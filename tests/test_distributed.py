@@ -76,6 +76,7 @@ SPECS = [
                                            observer=q.MovingAverageMinMaxObserver(0.3))),
     ("int8_channel_moving_average", q.QSpec(q.INT8, q.PerChannel(1), "asymmetric",
                                             observer=q.MovingAverageMinMaxObserver(0.3))),
+    ("int8_tensor_histogram", q.QSpec(q.INT8, q.PerTensor(), "asymmetric", observer=q.HistogramObserver(bins=64))),
 ]
 STEPS = 3
 
@@ -177,13 +178,14 @@ def _calibration_ranks(rank, out_dir):
 def _reference_points():
     """One process, every rank's batch of every step: MinMax sees them one
     after the other; MovingAverage sees one step's batches concatenated (its
-    update averages the step's global range)."""
+    update averages the step's global range), and so does Histogram (the
+    ranks bin their batches over the step's global range)."""
     refs = {}
     for name, spec in SPECS:
         m = q.FakeQuantize(spec)
         for step in range(STEPS):
             batches = [_batch(step, r) for r in range(WORLD)]
-            if isinstance(spec.observer, q.MovingAverageMinMaxObserver):
+            if isinstance(spec.observer, (q.MovingAverageMinMaxObserver, q.HistogramObserver)):
                 m(torch.cat(batches))
             else:
                 for b in batches:
@@ -239,7 +241,10 @@ def test_the_configured_group_is_the_one_observers_reduce_over(calibration):
 def test_split_calibration_of_a_prepared_model_equals_one_process(calibration):
     torch.manual_seed(0)
     prepared = pipeline.prepare(MLP(), (_batch(0, 0),), "w8a8")
-    pipeline.calibrate(prepared, [_batch(s, r) for s in range(STEPS) for r in range(WORLD)], progress=False)
+    # A step's batches concatenated: the preset's HistogramObserver bins the
+    # ranks' batches over the step's global range (see _reference_points).
+    pipeline.calibrate(prepared, [torch.cat([_batch(s, r) for r in range(WORLD)]) for s in range(STEPS)],
+                       progress=False)
     want = prepared.state_dict()
     for rank, result in enumerate(calibration):
         _assert_bit_identical(result["model"], dict(want), f"rank {rank} w8a8 MLP")

@@ -90,7 +90,7 @@ def _qat_converts(preset, name):
 def test_qat_flow_and_sqnr(preset, name):
     model = build(name, train=True)
     reference = copy.deepcopy(model)
-    gm = _calibrated(model, name, FakeQuantQuantizer(presets.get_preset(preset)), qat=True)
+    gm = _calibrated(model, name, FakeQuantQuantizer(presets.get_preset(preset, qat=True)), qat=True)
     with torch.no_grad():  # the same train-mode batches: the same batch norm statistics
         for seed in range(1, 6):
             reference(example_batch(name, seed))

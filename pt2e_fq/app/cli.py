@@ -324,10 +324,11 @@ def quantizer_config(args):
     if args.preset:
         if args.preset not in presets.PRESETS:
             raise UsageError(f"--preset: unknown preset {args.preset!r}; allowed: {', '.join(presets.PRESETS)}")
+        qat = getattr(args, "qat_steps", 0) > 0  # the preset's QAT form (presets.get_preset)
         if getattr(args, "pte", None) or getattr(args, "target", None) == "xnnpack":
             # XNNPACK delegates int8 ops with int8 outputs only (docs/export.md): the preset on every tensor.
-            return presets.every_point(args.preset)
-        return presets.get_preset(args.preset)
+            return presets.every_point(args.preset, qat=qat)
+        return presets.get_preset(args.preset, qat=qat)
     if not Path(args.config).is_file():
         raise UsageError(f"--config: no such file {args.config!r}")
     try:

@@ -317,7 +317,7 @@ def _run(out: Path, float_epochs, qat_epochs, calibration_batches, seed, progres
 
     # QAT w4a8 from the float weights; first the step time against float.
     model.load_state_dict(float_state)
-    qat = pipeline.prepare(model, example, presets.every_point("w4a8"), qat=True)
+    qat = pipeline.prepare(model, example, presets.every_point("w4a8", qat=True), qat=True)
     ms = step_times({"float": model.train(), "qat": qat}, example, data.y_train[:BATCH], F.cross_entropy)
     float_row.step_ms = ms["float"]
     optimizer = torch.optim.Adam([p for p in qat.parameters() if p.requires_grad], lr=5e-4)

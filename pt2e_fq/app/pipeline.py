@@ -79,14 +79,15 @@ def _export_error(model: torch.nn.Module, error: Exception) -> ExportError:
     return ExportError(f"torch.export cannot export {type(model).__name__}{at}: {type(error).__name__}: {reason}")
 
 
-def quantizer_for(config: ConfigLike) -> FakeQuantQuantizer:
-    """A FakeQuantQuantizer from a preset name, a QuantizerConfig or a quantizer."""
+def quantizer_for(config: ConfigLike, *, qat: bool = False) -> FakeQuantQuantizer:
+    """A FakeQuantQuantizer from a preset name (with `qat`, the preset's QAT
+    form: presets.get_preset), a QuantizerConfig or a quantizer."""
     if isinstance(config, FakeQuantQuantizer):
         return config
     if isinstance(config, QuantizerConfig):
         return FakeQuantQuantizer(config)
     if isinstance(config, str):
-        return FakeQuantQuantizer(presets.get_preset(config))
+        return FakeQuantQuantizer(presets.get_preset(config, qat=qat))
     raise TypeError(
         f"config must be a preset name ({', '.join(presets.PRESETS)}), a QuantizerConfig or a "
         f"FakeQuantQuantizer, got {type(config).__name__}"
@@ -141,8 +142,9 @@ def prepare(
 ) -> torch.fx.GraphModule:
     """Exports `model` (train mode for QAT, eval mode for PTQ; the model's
     own mode is restored), annotates it with our quantizer and runs
-    prepare_pt2e or prepare_qat_pt2e."""
-    quantizer = quantizer_for(config)
+    prepare_pt2e or prepare_qat_pt2e. A preset name takes the preset's QAT
+    form for QAT (presets.get_preset)."""
+    quantizer = quantizer_for(config, qat=qat)
     was_training = model.training
     try:
         gm = export(model.train(qat), example_inputs, dynamic_batch=dynamic_batch)
