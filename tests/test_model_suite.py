@@ -112,17 +112,7 @@ FP8_BELOW_W8A8 = {
     "gpt2": "fp8 28.7, w8a8 40.2",
 }
 # check_onnx fails on these (issue 17), not yet explained.
-ONNX_FAILS = {
-    ("mobilenet_v3_small", "w8a8"): (
-        "issue 17: the logits (float: the presets leave them so) are 17.3 dB from torch with ORT's "
-        "optimisations on, within float rounding with them off. ORT's optimised run first leaves "
-        "torch's values at fake_quantize_affine_59 (3 of 8192 elements flip) whose input is off by "
-        "6.7e-5 against check_onnx's float-rounding bound of 5.3e-5 (1e-5 of its largest magnitude): "
-        "under the presets a point's input comes through a float conv and the float ops after it, "
-        "which ORT's optimiser rewrites (HardSwish into HardSigmoid * x) and sums in another order; "
-        "this random-init net amplifies the flips ~18 dB per layer. Whether the bound should widen "
-        "for such paths is open"),
-}
+ONNX_FAILS = {}
 
 
 @pytest.fixture(autouse=True, scope="module")

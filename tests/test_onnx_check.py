@@ -3,8 +3,11 @@ in-place op after a point, points whose values the exporter's optimizer
 merges or renames, a dynamic point that reads a parameter directly), and its
 end-to-end bound: per output, an
 RMS difference of at most one quantization step, with the statistics
-reported. The strict per-point check (bit for bit on torch's own inputs) is
-tested in test_export_onnx.py."""
+reported; over it, the bound on the input of the first point that flips (a
+conv's float rounding plus ORT's int32 rounding of its bias explain a flip;
+a bias off by more is reported). The strict per-point check (bit for bit on
+torch's own inputs) is tested in test_export_onnx.py, and here for a wrong
+scale in the file."""
 
 from __future__ import annotations
 
@@ -23,8 +26,9 @@ from quantized_models import fake_quant_nodes
 from pt2e_fq.app import pipeline
 from pt2e_fq.app.models import MLP
 from pt2e_fq.export import check_onnx, to_onnx
+from pt2e_fq.export import onnx_check
 from pt2e_fq.export.onnx import POINTS_METADATA
-from pt2e_fq.export.onnx_check import FLOAT_OUTPUT_RTOL, FUSED_FLOAT_OUTPUT_MIN_SQNR_DB
+from pt2e_fq.export.onnx_check import FLOAT_OUTPUT_RTOL, FUSED_FLOAT_OUTPUT_MIN_SQNR_DB, first_divergence
 from pt2e_fq.export.output_diff import output_diff
 from quantizers import presets
 
@@ -260,3 +264,92 @@ def test_a_tiny_llama_under_fp8_checks_with_its_cascade_explained(tmp_path):
     print(result)
     assert result.points == len(fake_quant_nodes(converted)) > 60
     assert result.cascade is None or result.cascade.explained
+
+
+class ConvNet(nn.Module):
+    """Two convs with biases, the first one's output a point (every_point):
+    the shape of a CNN's conv whose bias ORT's optimiser rounds to int32."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 16, 3, padding=1)
+        self.b = nn.Conv2d(16, 16, 1)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _conv_net(tmp_path):
+    torch.manual_seed(0)
+    x = torch.randn(8, 3, 16, 16)
+    converted = _converted(ConvNet(), "w8a8", x)
+    path = tmp_path / "conv.onnx"
+    to_onnx(converted, (x,), path)
+    return converted, x, path
+
+
+def _conv_bias_step(path, bias_name: str) -> np.ndarray:
+    """s_in * s_w per output channel of the Conv whose bias is `bias_name`:
+    the grid ORT's optimiser rounds that bias to."""
+    file = onnx.load(path)
+    consts = {t.name: numpy_helper.to_array(t) for t in file.graph.initializer}
+    producers = {out: n for n in file.graph.node for out in n.output}
+    conv = next(n for n in file.graph.node if n.op_type == "Conv" and n.input[2] == bias_name)
+    s_in, s_w = (consts[producers[name].input[1]] for name in conv.input[:2])
+    return (s_in * s_w).astype(np.float64)
+
+
+def test_orts_int32_bias_rounding_explains_the_flips_it_causes(tmp_path, monkeypatch):
+    """With graph optimisations on, ORT rounds a conv's float bias to int32
+    at s_in * s_w (its WeightBiasQuantization pass, for QLinearConv): the conv's
+    output moves by up to half that per channel, more than float rounding,
+    and flips a few roundings of the next point (without that pass, none
+    flips). The diagnostic's bound for a conv's output, the conv's own
+    float rounding plus that bias rounding, explains them; check_onnx with
+    atol=0 (every difference over the bound) passes, naming the point."""
+    converted, x, path = _conv_net(tmp_path)
+    assert first_divergence(path, converted, (x,), optimized=False) is None  # the file's float ops are torch's
+    cascade = first_divergence(path, converted, (x,), optimized=True)
+    assert cascade is not None and cascade.differing > 0 and cascade.explained, cascade
+    assert "WeightBiasQuantization" in cascade.bound and "27-term conv2d" in cascade.bound
+    assert 0.5 <= cascade.bound_ratio <= 1, cascade  # the bias rounding is most of the difference
+    assert cascade.input_diff <= 0.5 * _conv_bias_step(path, "a.bias").max() * (1 + 1e-2)
+    result = check_onnx(path, converted, (x,), atol=0)
+    assert result.cascade is not None and result.cascade.explained and result.cascade.point == cascade.point
+    assert "explained" in str(result)
+    # The cause: with ORT's WeightBiasQuantization pass off, the optimised run flips nothing.
+    monkeypatch.setattr(onnx_check, "ORT_DISABLED_OPTIMIZERS", onnx_check.ORT_DISABLED_OPTIMIZERS + (
+        "WeightBiasQuantization",))
+    assert first_divergence(path, converted, (x,), optimized=True) is None
+
+
+def test_a_conv_bias_off_by_more_than_orts_rounding_is_reported(tmp_path):
+    """The first conv's bias moved in the file on one channel by 2 * s_in * s_w,
+    four times the most ORT's int32 rounding moves it (and far over float
+    rounding): every point stays bit-exact on torch's inputs, and the
+    diagnostic, with optimisations on or off, finds the conv's output over
+    its bound, so check_onnx fails naming it."""
+    converted, x, path = _conv_net(tmp_path)
+    shift = np.zeros(16)
+    shift[5] = 2 * _conv_bias_step(path, "a.bias")[5]
+    _shift_bias(path, "a.bias", shift)
+    for optimized in (False, True):
+        cascade = first_divergence(path, converted, (x,), optimized=optimized)
+        assert cascade is not None and not cascade.explained and cascade.bound_ratio > 2, (optimized, cascade)
+    with pytest.raises(AssertionError, match=r"more than atol.*over that bound, so the float ops before it differ"):
+        check_onnx(path, converted, (x,), atol=0)
+
+
+def test_a_wrong_scale_in_the_file_fails_the_strict_check(tmp_path):
+    """One activation point's scale 1% off in the file: its Q/DQ run on
+    torch's input no longer gives torch's bits."""
+    converted, x, path = _conv_net(tmp_path)
+    file = onnx.load(path)
+    producers = {out: n for n in file.graph.node for out in n.output}
+    conv = next(n for n in file.graph.node if n.op_type == "Conv" and n.input[2] == "a.bias")
+    scale_name = producers[conv.input[0]].input[1]  # the input point's scale
+    (scale,) = [t for t in file.graph.initializer if t.name == scale_name]
+    scale.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(scale) * np.float32(1.01), scale_name))
+    onnx.save(file, path)
+    with pytest.raises(AssertionError, match="differs from torch in ONNX Runtime on the same input.*bit-exact"):
+        check_onnx(path, converted, (x,))

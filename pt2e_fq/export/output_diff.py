@@ -54,12 +54,20 @@ def _float64(a: ArrayLike) -> np.ndarray:
     return np.asarray(a, dtype=np.float64)
 
 
+def abs_diff(ours: ArrayLike, theirs: ArrayLike) -> np.ndarray:
+    """|ours - theirs| per element in float64: 0 where equal (NaN and Inf
+    included), inf for NaN against a number."""
+    a, b = _float64(ours), _float64(theirs)
+    same = (a == b) | (np.isnan(a) & np.isnan(b))
+    return np.where(same, 0.0, np.nan_to_num(np.abs(a - b), nan=np.inf))
+
+
 def output_diff(index: int, ours: ArrayLike, theirs: ArrayLike, step: Optional[ArrayLike]) -> OutputDiff:
     """ours and theirs of one shape; step a scalar or an array of the
     output's shape (per-element scale), or None for a float output."""
     a, b = _float64(ours), _float64(theirs)
     same = (a == b) | (np.isnan(a) & np.isnan(b))
-    diff = np.where(same, 0.0, np.nan_to_num(np.abs(a - b), nan=np.inf))
+    diff = abs_diff(a, b)
     finite = np.isfinite(a) & np.isfinite(b)
     noise = float(np.sum(diff[finite] ** 2))
     signal = float(np.sum(a[finite] ** 2))
