@@ -7,6 +7,15 @@ reference our presets are measured against (issue 17.1).
     reference = outputs(model, held_out)
     stock = stock_quantize(model, example, calibration, "X86InductorQuantizer")
     sqnr_db(reference, outputs(stock, held_out))
+    gap, error = sqnr_gap(reference, ours, theirs, len(held_out))   # dB, and its standard error
+
+Two quantizers of the same quality differ in which values round up or down,
+and on a net of a few layers those flips decide a few tenths of a dB of the
+outputs' SQNR (measured: our flow given X86InductorQuantizer's own qparams
+on ViT lands 0.4 dB from it, on 2 held-out batches). `sqnr_gap` gives the
+difference with its standard error over the held-out batches, so "at least
+as good" can be a claim the data supports: not below by more than two
+standard errors.
 
 The stock flows are torchao's own, with their default configs:
 `X86InductorQuantizer` with `get_default_x86_inductor_quantization_config()`
@@ -18,6 +27,8 @@ torchao's `convert_pt2e` (real q/dq).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
@@ -25,7 +36,7 @@ from ..inputs import as_args
 from ..report import sqnr_db
 from . import pipeline
 
-__all__ = ["STOCK_QUANTIZERS", "outputs", "sqnr_db", "stock_quantizer", "stock_quantize"]
+__all__ = ["STOCK_QUANTIZERS", "float_op_types", "outputs", "sqnr_db", "sqnr_gap", "stock_quantizer", "stock_quantize"]
 
 STOCK_QUANTIZERS = ("XNNPACKQuantizer", "X86InductorQuantizer")
 
@@ -64,3 +75,35 @@ def outputs(model, batches) -> torch.Tensor:
     along the batch dimension, without gradients."""
     with torch.no_grad():
         return torch.cat([model(*as_args(b)) for b in batches])
+
+
+def sqnr_gap(reference: torch.Tensor, ours: torch.Tensor, theirs: torch.Tensor, batches: int) -> tuple[float, float]:
+    """SQNR(ours) - SQNR(theirs) in dB against `reference` (outputs of
+    `batches` equal batches concatenated along dimension 0), and its
+    standard error: that of the mean of the per-batch paired differences
+    10 * log10(noise theirs / noise ours)."""
+    if batches < 2:
+        raise ValueError(f"sqnr_gap: the standard error needs 2 batches or more, got {batches}")
+    gap = sqnr_db(reference, ours) - sqnr_db(reference, theirs)
+    per_batch = [10 * math.log10(float((t - r).double().pow(2).sum()) / float((o - r).double().pow(2).sum()))
+                 for r, o, t in zip(reference.chunk(batches), ours.chunk(batches), theirs.chunk(batches))]
+    d = torch.tensor(per_batch, dtype=torch.float64)
+    return gap, float(d.std() / math.sqrt(batches))
+
+
+# Op types our presets quantize whose weights a stock quantizer may leave
+# float (X86InductorQuantizer annotates linear, not the addmm of
+# transformers' Conv1D: GPT-2's 8 projections), by the aten op they export to.
+_WEIGHTED_OP_TYPES = {"addmm": torch.ops.aten.addmm.default, "einsum": torch.ops.aten.einsum.default}
+
+
+def float_op_types(stock: torch.fx.GraphModule) -> list[str]:
+    """The op types of _WEIGHTED_OP_TYPES that the converted stock model has
+    but quantizes none of (no dequantize among any such node's inputs)."""
+    found = {}
+    for node in stock.graph.nodes:
+        for op_type, target in _WEIGHTED_OP_TYPES.items():
+            if node.op == "call_function" and node.target == target:
+                dq = any("dequantize" in str(getattr(a, "target", "")) for a in node.all_input_nodes)
+                found[op_type] = found.get(op_type, False) or dq
+    return [op_type for op_type, quantized in found.items() if not quantized]

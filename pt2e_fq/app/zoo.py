@@ -40,7 +40,7 @@ import torch.nn as nn
 
 IMAGE_BATCH, IMAGE_SIZE, CLASSES = 8, 32, 10
 TOKEN_BATCH = 8
-CALIBRATION_BATCHES, HELD_OUT_BATCHES = 4, 2
+CALIBRATION_BATCHES, HELD_OUT_BATCHES = 4, 16
 
 
 def allow_torchvision_import() -> None:
