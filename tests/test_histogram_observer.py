@@ -5,6 +5,8 @@ presets' QAT form (MinMaxObserver on those points)."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -194,3 +196,23 @@ def test_presets_calibrate_with_the_histogram_and_train_with_min_max():
         assert qat.global_config.weight == presets.get_preset(name).global_config.weight
         assert isinstance(presets.every_point(name).global_config.output_activation.observer, q.HistogramObserver)
         assert presets.every_point(name, qat=True).global_config.output_activation.observer is None
+
+
+def test_qat_prepare_takes_the_presets_qat_form_and_warns_on_a_histogram_config():
+    from pt2e_fq.app import pipeline
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    x = torch.randn(4, 8)
+
+    def observers(prepared):
+        return {type(m._observer).__name__ for m in prepared.modules()
+                if isinstance(m, FakeQuantize) and not m.qspec.dynamic and m._observer.keeps_range}
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qat = pipeline.prepare(model, (x,), "w8a8", qat=True)
+    assert not [w for w in caught if "HistogramObserver" in str(w.message)]
+    assert observers(qat) == {"MinMaxObserver"}
+    assert observers(pipeline.prepare(model, (x,), "w8a8")) == {"HistogramObserver"}
+    with pytest.warns(UserWarning, match=r"2 point\(s\) calibrate with HistogramObserver"):
+        pipeline.prepare(model, (x,), presets.get_preset("w8a8"), qat=True)

@@ -158,7 +158,21 @@ def prepare(
     literals = _batch_norm_literals(gm)
     prepared = prepare_qat_pt2e(gm, quantizer)
     _set_batch_norm_literals(prepared, literals)
+    _warn_histogram_in_qat(prepared)
     return prepared
+
+
+def _warn_histogram_in_qat(prepared: torch.nn.Module) -> None:
+    """A HistogramObserver searches its range at every observed step: in QAT
+    (observers on while training) that costs more than the step."""
+    names = [name for name, m in prepared.named_modules()
+             if isinstance(m, FakeQuantize) and m._observer.keeps_histogram]
+    if names:
+        warnings.warn(
+            f"prepare(qat=True): {len(names)} point(s) calibrate with HistogramObserver ({', '.join(names[:3])}"
+            f"{', ...' if len(names) > 3 else ''}), whose range search runs at every training step while the "
+            "observers are on (tens of ms per point); QAT usually keeps MinMaxObserver there: "
+            "presets.get_preset(name, qat=True), or a preset name, which takes that form", stacklevel=3)
 
 
 aten = torch.ops.aten
