@@ -50,6 +50,7 @@ from pt2e_fq import (
     PerTensor,
     QSpec,
 )
+from pt2e_fq.export.qdq import XNNPACK_FUSED_ACTIVATIONS
 from pt2e_fq.format_kinds import MX, kind_of
 
 from .config import OpConfig, QuantizerConfig
@@ -122,15 +123,35 @@ def get_preset(name: str) -> QuantizerConfig:
     return QuantizerConfig.from_dict(PRESETS[name].to_dict())
 
 
-def every_point(name: str) -> QuantizerConfig:
+EVERY_POINT_TARGETS = ("generic", "xnnpack", "x86_inductor")
+
+
+def every_point(name: str, target: str = "generic") -> QuantizerConfig:
     """A preset's formats on every tensor an op config reaches: each op's
     inputs, weight and output (the preset's input QSpec), add, mul, cat,
     stack and embeddings included, the model's outputs too. The layout
-    XNNPACK (ExecuTorch) delegates, which has no int8 op with a float
-    output; it costs accuracy (docs/quantizers.md)."""
+    the PT2E runtimes' int8 ops read and write (XNNPACK has no int8 op with
+    a float output); it costs accuracy (docs/quantizers.md).
+
+    target places the output points of fused units for a runtime (the
+    targets of pt2e_fq.export.to_qdq):
+    - "generic": an op's output point after any activation that follows it
+      (linear -> gelu -> point);
+    - "xnnpack": after ReLU or a clamp only
+      (pt2e_fq.export.XNNPACK_FUSED_ACTIVATIONS), the activations XNNPACK
+      fuses into an int8 conv or linear; any other gets the point on the op's
+      own output (linear -> point -> gelu), without which XNNPACK runs that
+      linear in fp32 (config.set_fuse_activations);
+    - "x86_inductor": also conv -> [bn] -> add -> [relu] with no point on the
+      conv's output, as Inductor's fused int8 conv-add reads it
+      (config.set_fuse_conv_add)."""
+    if target not in EVERY_POINT_TARGETS:
+        raise ValueError(f"every_point: unknown target {target!r}; allowed: {', '.join(EVERY_POINT_TARGETS)}")
     config = get_preset(name)
     full = lambda c: OpConfig(c.input_activation, c.weight, c.bias, c.input_activation)  # noqa: E731
-    result = QuantizerConfig(full(config.global_config), model_output=True)
+    result = QuantizerConfig(full(config.global_config), model_output=True, fuse_conv_add=target == "x86_inductor")
+    if target == "xnnpack":
+        result.set_fuse_activations(XNNPACK_FUSED_ACTIVATIONS)
     for op_type, op_config in config.operator_type.items():
         if op_config is not None:
             result.set_operator_type(op_type, full(op_config))

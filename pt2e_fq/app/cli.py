@@ -131,8 +131,8 @@ def _parser() -> argparse.ArgumentParser:
     quantize.add_argument("--pte", metavar="FILE.pte",
                           help="export an ExecuTorch program (XNNPACK delegate; needs the executorch extra) "
                                "and check it in ExecuTorch's runtime; with --pte or --target xnnpack a --preset "
-                               "goes on every tensor (presets.every_point), as XNNPACK delegates int8 ops with "
-                               "int8 outputs only")
+                               "goes on every tensor with XNNPACK's fusions (presets.every_point(..., "
+                               "target='xnnpack')), as XNNPACK delegates int8 ops with int8 outputs only")
     quantize.add_argument("--unsupported", choices=UNSUPPORTED, default="error",
                           help="a point the target cannot take: an error (default), kept as our op, or, for a "
                                "weight, stored as its fake-quantized floats")
@@ -325,8 +325,9 @@ def quantizer_config(args):
         if args.preset not in presets.PRESETS:
             raise UsageError(f"--preset: unknown preset {args.preset!r}; allowed: {', '.join(presets.PRESETS)}")
         if getattr(args, "pte", None) or getattr(args, "target", None) == "xnnpack":
-            # XNNPACK delegates int8 ops with int8 outputs only (docs/export.md): the preset on every tensor.
-            return presets.every_point(args.preset)
+            # XNNPACK delegates int8 ops with int8 outputs only (docs/export.md): the preset on every
+            # tensor, an op's output point after ReLU / clamp only (the activations XNNPACK fuses).
+            return presets.every_point(args.preset, target="xnnpack")
         return presets.get_preset(args.preset)
     if not Path(args.config).is_file():
         raise UsageError(f"--config: no such file {args.config!r}")

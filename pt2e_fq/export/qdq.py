@@ -21,9 +21,12 @@ What each target takes:
 - xnnpack: int8 per-tensor activations; int8 (int4 as int8 codes in -8..7)
   symmetric per-tensor or per-channel weights (a conv's int4 codes are
   declared int8: XNNPACK's 4-bit weights are for linear only). XNNPACK
-  quantizes a linear or conv only when its output is quantized too (a
-  linear before a GELU whose output is the point is not): such an op's
-  weight is stored as its fake-quantized floats, and listed.
+  quantizes a linear or conv only when its output is quantized too,
+  directly or after a ReLU or clamp it fuses (XNNPACK_FUSED_ACTIVATIONS;
+  a linear before a GELU whose output is the point is not): such an op's
+  weight is stored as its fake-quantized floats, and listed. Quantize for
+  it with quantizers.presets.every_point(name, target="xnnpack"), which
+  puts such a point on the linear's own output.
 - x86_inductor: per-tensor activations as uint8 (an int8 point's codes and
   zero point shifted by 128, which is exact); int8 symmetric per-channel
   weights (a per-tensor weight becomes per-channel with its scale repeated).
@@ -349,8 +352,15 @@ def _one_dequantize_per_user(gm: torch.fx.GraphModule) -> None:
             user.replace_input_with(dq, copy)
 
 
-# Activations XNNPACK fuses into a quantized conv / linear before the output's quantize.
-_FUSED_ACTIVATIONS = {torch.ops.aten.relu.default, torch.ops.aten.relu_.default, torch.ops.aten.hardtanh.default}
+# The activations XNNPACK fuses into a quantized conv / linear before the
+# output's quantize (ExecuTorch's gemm partitioner configs and
+# FuseActivationPass: relu and hardtanh; relu6 is a hardtanh), by aten op
+# name. The one list: quantizers.presets.every_point(target="xnnpack") fuses
+# only these with the op before them, so that every other activation's op
+# gets its own output point.
+XNNPACK_FUSED_ACTIVATIONS = ("relu", "relu6", "hardtanh")
+_FUSED_ACTIVATIONS = {getattr(getattr(torch.ops.aten, name + suffix), "default")
+                      for name in XNNPACK_FUSED_ACTIVATIONS for suffix in ("", "_")}
 
 
 def _quantized(node: torch.fx.Node) -> bool:
