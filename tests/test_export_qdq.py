@@ -143,6 +143,14 @@ def _encoder_w8a8():
                              progress=False)
 
 
+def _encoder_w8a8_preset():
+    """The w8a8 preset (no output points): Inductor fuses each residual add into a linear."""
+    torch.manual_seed(0)
+    model = EncoderBlock().eval()
+    batches = [(torch.randn(2, 6, 32),) for _ in range(4)]
+    return pipeline.quantize(model, batches[0], "w8a8", calibration=batches, progress=False)
+
+
 def _qat_conv_bn():
     return convert_pt2e(qat_prepared())
 
@@ -214,6 +222,27 @@ def test_compiled_with_freezing_inductor_runs_onednn_int8_kernels():
     assert any(k.startswith("qlinear") for k in kernels), kernels
     _within_one_step(out, model, x)
     assert check_lowered(compiled, model, x).ok
+
+
+def test_compiled_encoder_block_leaves_its_input_alone():
+    from torch._inductor.utils import run_and_get_code
+
+    model = _encoder_w8a8_preset()
+    x = batch(8, (2, 6, 32))
+    before = x.clone()
+    compiled = compile_x86(to_qdq(model, x, target="x86_inductor"))
+    out, code = run_and_get_code(compiled, x)
+    # The residual adds fused into the linears with oneDNN's in-place "sum" post-op,
+    # which writes into its float operand: here the block's input.
+    assert re.search(r"qlinear_pointwise\.binary\w*\(.*'sum'", "\n".join(code)), "\n".join(code)
+    assert torch.equal(x, before)
+    assert out.data_ptr() != x.data_ptr()
+    with torch.no_grad():
+        again = compiled(x)
+    assert torch.equal(x, before) and torch.equal(again, out)
+    # The result is the lowered program's, run eagerly (same q/dq ops; oneDNN's
+    # int32 accumulation and requantization may move a value by a float ulp).
+    torch.testing.assert_close(out, to_qdq(model, x, target="x86_inductor").module()(before), atol=1e-5, rtol=0)
 
 
 # -- what cannot be lowered ---------------------------------------------------------

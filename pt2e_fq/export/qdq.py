@@ -508,7 +508,9 @@ def compile_x86(program: torch.export.ExportedProgram):
     """to_qdq(target="x86_inductor")'s program compiled by Inductor with
     freezing (which folds the weight codes into oneDNN's packed int8 weights
     and lets its patterns turn dq -> conv / linear -> q into qconv / qlinear),
-    run without autograd, which freezing needs. Returns the callable."""
+    run without autograd, which freezing needs. Returns the callable, which
+    runs the compiled module on copies of its tensor arguments (Inductor's
+    fused linear + add may write into an input)."""
     if not isinstance(program, torch.export.ExportedProgram):
         raise TypeError(f"compile_x86: program must be to_qdq's ExportedProgram, got {type(program).__name__}")
     compiled = torch.compile(program.module())
@@ -517,6 +519,11 @@ def compile_x86(program: torch.export.ExportedProgram):
     # setting must hold then; torch.compile(options={"freezing": True}) does
     # not reach the freezing pass (onednn::qconv_prepack then fails on meta tensors).
     def run(*args):
+        # Inductor's fused int8 linear + residual add (qlinear_pointwise.binary
+        # with the "sum" post-op) accumulates into its float operand in place,
+        # a graph input too: the encoder block's input came back holding
+        # x + attn(x), and was the output. The copy keeps the caller's tensors.
+        args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
         with torch._inductor.config.patch(freezing=True), torch.no_grad():
             return compiled(*args)
 
