@@ -116,14 +116,43 @@ PRESETS = {
 }
 
 
-def get_preset(name: str) -> QuantizerConfig:
-    """A fresh copy of a preset (safe to change with the setters)."""
+TARGETS = ("generic", "xnnpack", "x86_inductor")
+# Op types Inductor's x86 int8 kernels (oneDNN qconv / qlinear) have no int8
+# form of when both operands are activations, as in attention.
+_X86_FLOAT_OP_TYPES = ("matmul", "bmm")
+
+
+def _check_target(where: str, target: str) -> None:
+    if target not in TARGETS:
+        raise ValueError(f"{where}: unknown target {target!r}; allowed: {', '.join(TARGETS)}")
+
+
+def _for_x86_inductor(config: QuantizerConfig) -> QuantizerConfig:
+    for op_type in _X86_FLOAT_OP_TYPES:
+        config.set_operator_type(op_type, None)
+    return config
+
+
+def get_preset(name: str, target: str = "generic") -> QuantizerConfig:
+    """A fresh copy of a preset (safe to change with the setters).
+
+    target (the targets of pt2e_fq.export.to_qdq): "generic", the preset;
+    "x86_inductor", the preset with matmul and bmm float: Inductor runs a
+    matmul of two activations in float on the dequantized values whatever
+    its points, so they only add rounding and kernels, and they keep
+    Inductor from fusing attention's matmuls and softmax into its flash
+    attention (docs/export.md, Speed). "xnnpack" is an error: XNNPACK runs
+    an op in int8 only with its output quantized, which the presets leave
+    float; use every_point(name, target="xnnpack")."""
     if name not in PRESETS:
         raise ValueError(f"get_preset: unknown preset {name!r}; allowed: {', '.join(PRESETS)}")
-    return QuantizerConfig.from_dict(PRESETS[name].to_dict())
-
-
-EVERY_POINT_TARGETS = ("generic", "xnnpack", "x86_inductor")
+    _check_target("get_preset", target)
+    if target == "xnnpack":
+        raise ValueError("get_preset: target 'xnnpack': XNNPACK runs a linear or conv in int8 only with its output "
+                         "quantized, and the presets leave outputs float; use "
+                         f"presets.every_point({name!r}, target='xnnpack')")
+    config = QuantizerConfig.from_dict(PRESETS[name].to_dict())
+    return _for_x86_inductor(config) if target == "x86_inductor" else config
 
 
 def every_point(name: str, target: str = "generic") -> QuantizerConfig:
@@ -142,11 +171,10 @@ def every_point(name: str, target: str = "generic") -> QuantizerConfig:
       fuses into an int8 conv or linear; any other gets the point on the op's
       own output (linear -> point -> gelu), without which XNNPACK runs that
       linear in fp32 (config.set_fuse_activations);
-    - "x86_inductor": also conv -> [bn] -> add -> [relu] with no point on the
-      conv's output, as Inductor's fused int8 conv-add reads it
-      (config.set_fuse_conv_add)."""
-    if target not in EVERY_POINT_TARGETS:
-        raise ValueError(f"every_point: unknown target {target!r}; allowed: {', '.join(EVERY_POINT_TARGETS)}")
+    - "x86_inductor": as generic, with conv -> [bn] -> add -> [relu] and no
+      point on the conv's output, as Inductor's fused int8 conv-add reads it
+      (config.set_fuse_conv_add), and matmul and bmm float (see get_preset)."""
+    _check_target("every_point", target)
     config = get_preset(name)
     full = lambda c: OpConfig(c.input_activation, c.weight, c.bias, c.input_activation)  # noqa: E731
     result = QuantizerConfig(full(config.global_config), model_output=True, fuse_conv_add=target == "x86_inductor")
@@ -155,4 +183,4 @@ def every_point(name: str, target: str = "generic") -> QuantizerConfig:
     for op_type, op_config in config.operator_type.items():
         if op_config is not None:
             result.set_operator_type(op_type, full(op_config))
-    return result
+    return _for_x86_inductor(result) if target == "x86_inductor" else result

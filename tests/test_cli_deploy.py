@@ -79,3 +79,19 @@ def test_pte_puts_a_point_between_a_linear_and_its_gelu(capsys, tmp_path):
     rc, out, err = _main(capsys, *args, "--config", str(config), "--pte", str(pte))
     assert rc == 0, err
     assert f"saved {pte}: 4 point(s) as q/dq, 1 weight(s) in float" in out, out
+
+
+def test_a_preset_is_laid_out_for_the_target():
+    import argparse
+
+    from pt2e_fq.app.cli import quantizer_config
+
+    def config(**kw):
+        return quantizer_config(argparse.Namespace(**{"preset": "w8a8", "config": None, "pte": None,
+                                                      "target": "fake_quant", **kw}))
+
+    assert config() == presets.get_preset("w8a8")
+    assert config(target="generic") == presets.get_preset("w8a8")
+    assert config(target="x86_inductor") == presets.get_preset("w8a8", target="x86_inductor")
+    assert config(target="xnnpack") == presets.every_point("w8a8", target="xnnpack")
+    assert config(pte="m.pte") == presets.every_point("w8a8", target="xnnpack")

@@ -93,11 +93,26 @@ def test_every_point_targets():
     assert not xnn.fuse_conv_add
     x86 = presets.every_point("w8a8", target="x86_inductor")
     assert x86.fuse_conv_add and x86.fuse_activations == tuple(ACTIVATIONS)
+    assert x86.operator_type["matmul"] is None and x86.operator_type["bmm"] is None
     # Everything else is every_point's.
     strip = lambda c: {k: v for k, v in c.to_dict().items() if k not in ("fuse_activations", "fuse_conv_add")}  # noqa: E731
-    assert strip(xnn) == strip(x86) == strip(presets.every_point("w8a8"))
+    assert strip(xnn) == strip(presets.every_point("w8a8"))
+    generic = strip(presets.every_point("w8a8"))
+    generic["operator_type"].update(matmul=None, bmm=None)
+    assert strip(x86) == generic
     with pytest.raises(ValueError, match="every_point: unknown target 'onnx'; allowed: generic, xnnpack, x86_inductor"):
         presets.every_point("w8a8", target="onnx")
+
+
+def test_get_preset_targets():
+    x86, preset = presets.get_preset("w8a8", "x86_inductor").to_dict(), presets.get_preset("w8a8").to_dict()
+    assert x86["operator_type"].pop("matmul") is None and x86["operator_type"].pop("bmm") is None
+    assert x86 == preset  # matmul and bmm take the global config in the preset
+    assert "matmul" not in preset["operator_type"] and presets.get_preset("w8a8", "generic").to_dict() == preset
+    with pytest.raises(ValueError, match=r"use presets.every_point\('w8a8', target='xnnpack'\)"):
+        presets.get_preset("w8a8", "xnnpack")
+    with pytest.raises(ValueError, match="get_preset: unknown target 'tpu'"):
+        presets.get_preset("w8a8", "tpu")
 
 
 def test_fuse_activations_round_trips_and_bad_values_are_named(tmp_path):

@@ -127,7 +127,9 @@ def _parser() -> argparse.ArgumentParser:
     quantize.add_argument("--target", choices=("fake_quant", *TARGETS), default="fake_quant",
                           help="what --out holds: our fake-quant ops (default), or the quantize / dequantize ops "
                                "of a PT2E runtime (generic, xnnpack, x86_inductor: compile it with "
-                               "pt2e_fq.export.compile_x86), checked against the fake-quant graph")
+                               "pt2e_fq.export.compile_x86), checked against the fake-quant graph; with "
+                               "x86_inductor a --preset leaves matmul and bmm float "
+                               "(presets.get_preset(..., target='x86_inductor'))")
     quantize.add_argument("--pte", metavar="FILE.pte",
                           help="export an ExecuTorch program (XNNPACK delegate; needs the executorch extra) "
                                "and check it in ExecuTorch's runtime; with --pte or --target xnnpack a --preset "
@@ -328,6 +330,9 @@ def quantizer_config(args):
             # XNNPACK delegates int8 ops with int8 outputs only (docs/export.md): the preset on every
             # tensor, an op's output point after ReLU / clamp only (the activations XNNPACK fuses).
             return presets.every_point(args.preset, target="xnnpack")
+        if getattr(args, "target", None) == "x86_inductor":
+            # Inductor has no int8 matmul of two activations: matmul and bmm float (docs/export.md).
+            return presets.get_preset(args.preset, target="x86_inductor")
         return presets.get_preset(args.preset)
     if not Path(args.config).is_file():
         raise UsageError(f"--config: no such file {args.config!r}")
