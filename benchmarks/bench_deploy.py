@@ -179,8 +179,8 @@ def bench(name: str, batch: int, repeats: int, folder: str) -> list:
 
     ours = quantize(presets.get_preset("w8a8", target="x86_inductor"))
     ours_every_point = quantize(presets.every_point("w8a8", target="xnnpack"))
-    extra = {k: quantize(v()) for k, v in [EXTRA_INDUCTOR[name]] if name in EXTRA_INDUCTOR}
-    extra_pte = {k: quantize(v()) for k, v in [EXTRA_PTE[name]] if name in EXTRA_PTE}
+    extra = {k: quantize(v()) for k, v in [EXTRA_INDUCTOR[name]]} if name in EXTRA_INDUCTOR else {}
+    extra_pte = {k: quantize(v()) for k, v in [EXTRA_PTE[name]]} if name in EXTRA_PTE else {}
     stock_x86 = _stock(model, example, calibration, "X86InductorQuantizer")
     stock_xnn = _stock(model, example, calibration, "XNNPACKQuantizer")
     tag = f"{name}_b{batch}"
