@@ -31,7 +31,8 @@ Printed per model and batch: the median latency of one forward, its
 speed-up over the float model of the same runtime (Inductor int8 against
 float Inductor, .pte int8 against float .pte), and the SQNR of the outputs
 against float eager (no labels: random inputs; the accuracy side of the
-comparison). The variants of one runtime run in turn within each repeat,
+comparison). The variants of one runtime run in turn within each repeat
+(starting at the next one each repeat: bench_ops.median_ms),
 so load from other processes hits them alike; the runtimes are timed one
 after the other.
 
