@@ -1,24 +1,29 @@
 """Inference latency on the PT2E runtimes: our lowered int8 models against
 float, and against torchao's stock quantizer flow, all in one run.
 
-For a ResNet-style conv net and a transformer encoder block, at batch 1 and
-32 (CPU, float32 inputs):
+For a ResNet-style conv net and a transformer encoder block (32 tokens), at
+batch 1 and 32 (CPU, float32 inputs), and on request (--models block256)
+the same block on 256 tokens, where attention is a larger share:
 
 - float eager; float under Inductor (torch.compile with freezing);
-- ours under Inductor int8: PTQ w8a8 with our quantizer, to_qdq(target=
-  "x86_inductor"), compile_x86 (oneDNN qconv / qlinear). The w8a8 preset
-  puts its points where torchao's X86InductorQuantizer does in a
-  transformer (inputs and weights of linears; outputs, matmuls and adds
-  float: Inductor fuses linear + residual add and matches its flash
-  attention). On the conv net also the XNNPACK layout,
-  presets.every_point("w8a8"), with fuse_conv_add (conv -> [bn] -> add ->
-  [relu] with no point on the conv's output and an int8 add output, which
-  Inductor fuses into qconv2d_pointwise.binary);
+- ours under Inductor int8: PTQ w8a8 with our quantizer,
+  presets.get_preset("w8a8", target="x86_inductor"), to_qdq(target=
+  "x86_inductor"), compile_x86 (oneDNN qconv / qlinear). That layout puts
+  its points where torchao's X86InductorQuantizer does in a transformer
+  (inputs and weights of linears; outputs, matmuls and adds float: Inductor
+  fuses linear + residual add and matches its flash attention). On the
+  encoder blocks also the generic w8a8 preset (points on the matmuls'
+  inputs too); on the conv net also presets.every_point("w8a8",
+  target="x86_inductor") (fuse_conv_add: conv -> [bn] -> add -> [relu] with
+  no point on the conv's output and an int8 add output, which Inductor
+  fuses into qconv2d_pointwise.binary);
 - stock x86: torchao's X86InductorQuantizer (its default config), the same
   calibration, compiled the same way;
 - float .pte (ExecuTorch, XNNPACK fp32); ours .pte (to_executorch, XNNPACK
-  int8, quantized with presets.every_point("w8a8"): XNNPACK delegates an
-  int8 op only with its output quantized); stock .pte: XNNPACKQuantizer
+  int8, quantized with presets.every_point("w8a8", target="xnnpack"):
+  XNNPACK delegates an int8 op only with its output quantized, directly or
+  after a ReLU or clamp; on the encoder blocks also every_point("w8a8"),
+  whose point after the GELU leaves mlp.0 in fp32); stock .pte: XNNPACKQuantizer
   (torchao's copy of ExecuTorch's class, symmetric per-channel), the same
   calibration.
 
@@ -26,11 +31,12 @@ Printed per model and batch: the median latency of one forward, its
 speed-up over the float model of the same runtime (Inductor int8 against
 float Inductor, .pte int8 against float .pte), and the SQNR of the outputs
 against float eager (no labels: random inputs; the accuracy side of the
-comparison). The variants of one runtime run in turn within each repeat,
+comparison). The variants of one runtime run in turn within each repeat
+(starting at the next one each repeat: bench_ops.median_ms),
 so load from other processes hits them alike; the runtimes are timed one
 after the other.
 
-    python benchmarks/bench_deploy.py [--models conv block] [--batches 1 32] [--repeats N] [--threads N]
+    python benchmarks/bench_deploy.py [--models conv block block256] [--batches 1 32] [--repeats N] [--threads N]
 """
 
 from __future__ import annotations
@@ -56,12 +62,20 @@ from quantizers import presets
 CALIBRATION_BATCHES = 4
 
 
-# Extra Inductor variants per model: our every-point layout with conv-add
-# fusion, where the conv net's residual adds are quantized as torchao's
-# X86InductorQuantizer quantizes them.
+# Extra variants per model and runtime. Inductor: on the conv net our
+# every-point layout with conv-add fusion, where the residual adds are
+# quantized as torchao's X86InductorQuantizer quantizes them; on the blocks
+# the generic w8a8 preset, whose points on the matmuls' inputs keep Inductor
+# from its flash attention. XNNPACK, on the blocks: every_point's generic
+# layout, with the point after the GELU.
+_GENERIC_PRESET = ("generic preset", lambda: presets.get_preset("w8a8"))
+_GENERIC_EVERY_POINT = ("generic every_point", lambda: presets.every_point("w8a8"))
 EXTRA_INDUCTOR = {
-    "conv": ("every_point + fuse_conv_add", lambda: presets.every_point("w8a8").set_fuse_conv_add(True)),
+    "conv": ("every_point + fuse_conv_add", lambda: presets.every_point("w8a8", target="x86_inductor")),
+    "block": _GENERIC_PRESET,
+    "block256": _GENERIC_PRESET,
 }
+EXTRA_PTE = {"block": _GENERIC_EVERY_POINT, "block256": _GENERIC_EVERY_POINT}
 
 
 class BasicBlock(nn.Module):
@@ -112,7 +126,9 @@ def _randomize_bn(model):
 MODELS = {
     "conv": (lambda: _randomize_bn(ResNetish()), lambda b: (b, 3, 32, 32)),
     "block": (lambda: EncoderBlock(d=128, heads=4, hidden=512), lambda b: (b, 32, 128)),
+    "block256": (lambda: EncoderBlock(d=128, heads=4, hidden=512), lambda b: (b, 256, 128)),
 }
+DEFAULT_MODELS = ["conv", "block"]
 
 
 def _stock(model, example, calibration, name: str):
@@ -159,14 +175,13 @@ def bench(name: str, batch: int, repeats: int, folder: str) -> list:
     model = build().eval()
     example = (torch.randn(shape(batch)),)
     calibration = [(torch.randn(shape(batch)),) for _ in range(CALIBRATION_BATCHES)]
-    ours = pipeline.quantize(model, example, "w8a8", calibration=calibration, progress=False)
-    ours_every_point = pipeline.quantize(model, example, presets.every_point("w8a8"), calibration=calibration,
-                                         progress=False)
-    extra = {}
-    if name in EXTRA_INDUCTOR:
-        extra_name, extra_config = EXTRA_INDUCTOR[name]
-        extra[extra_name] = pipeline.quantize(model, example, extra_config(), calibration=calibration,
-                                              progress=False)
+    def quantize(config):
+        return pipeline.quantize(model, example, config, calibration=calibration, progress=False)
+
+    ours = quantize(presets.get_preset("w8a8", target="x86_inductor"))
+    ours_every_point = quantize(presets.every_point("w8a8", target="xnnpack"))
+    extra = {k: quantize(v()) for k, v in [EXTRA_INDUCTOR[name]]} if name in EXTRA_INDUCTOR else {}
+    extra_pte = {k: quantize(v()) for k, v in [EXTRA_PTE[name]]} if name in EXTRA_PTE else {}
     stock_x86 = _stock(model, example, calibration, "X86InductorQuantizer")
     stock_xnn = _stock(model, example, calibration, "XNNPACKQuantizer")
     tag = f"{name}_b{batch}"
@@ -191,6 +206,9 @@ def bench(name: str, batch: int, repeats: int, folder: str) -> list:
                                                                       os.path.join(folder, f"{tag}_float.pte")), ex)),
         "ours .pte (XNNPACK int8)": (".pte", lambda ex: _pte_runner(
             to_executorch(ours_every_point, ex, os.path.join(folder, f"{tag}_ours.pte")).path, ex)),
+        **{f"ours .pte (XNNPACK int8), {k}": (".pte", (lambda v: lambda ex: _pte_runner(
+            to_executorch(v, ex, os.path.join(folder, f"{tag}_ours_extra.pte")).path, ex))(v))
+           for k, v in extra_pte.items()},
         "stock .pte (XNNPACKQuantizer)": (".pte", lambda ex: _pte_runner(
             _pte(torch.export.export(stock_xnn, ex), os.path.join(folder, f"{tag}_stock.pte")), ex)),
     }
@@ -224,7 +242,7 @@ def bench(name: str, batch: int, repeats: int, folder: str) -> list:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=DEFAULT_MODELS)
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 32])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())

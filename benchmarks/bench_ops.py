@@ -302,13 +302,19 @@ def median_ms(fns, repeats: int, device: str, warmup: int = 3, calls_per_timing:
     first kernel arrives), and the first callable of every repeat would pay
     it. A callable whose host work per call exceeds its GPU work is still
     measured at the host's pace, as a training loop would run it. On CPU,
-    the wall clock of one call."""
+    the wall clock of one call. Each repeat starts at the next callable
+    (a rotation), so each follows every other equally often: the one
+    timed right after a callable with a larger working set starts with
+    colder caches (measured on bench_deploy's encoder block: the same
+    compiled int8 block 7-20% slower right after the float one than later
+    in the same repeat)."""
     for fn in fns:  # allocator, lazy initialisation, and compilation
         for _ in range(warmup):
             fn()
     times = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, t in zip(fns, times):
+    for r in range(repeats):
+        turn = [(fns[i], times[i]) for i in range(len(fns))]
+        for fn, t in turn[r % len(fns):] + turn[:r % len(fns)]:
             if device == "cuda":
                 torch.cuda.synchronize()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

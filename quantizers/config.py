@@ -17,6 +17,7 @@ It round-trips through dicts, YAML and JSON files:
     module_name_regex: {'blocks\\.\\d+\\.attn\\..*': {...}}
     model_output: false
     fuse_conv_add: false
+    fuse_activations: [relu, relu6, hardtanh, gelu, silu, hardswish, sigmoid, tanh, leaky_relu, elu]
 
 `model_output` says whether the model's outputs are quantized: with false
 (the default), an op's output point whose only readers are the model's
@@ -34,6 +35,16 @@ add and relu as one int8 oneDNN call. It applies where the add is quantized
 (`presets.every_point` layouts; the presets leave adds float). Default false:
 XNNPACK quantizes a conv only with its output quantized, so under ExecuTorch
 such a conv would run in float (docs/quantizers.md).
+
+`fuse_activations` names the activations (quantizers.patterns.ACTIVATIONS)
+quantized together with the op before them: an op followed by one of them
+gets its output point after the activation (linear -> gelu -> point), by
+any other right after the op (linear -> point -> gelu). Default: all of
+them. It matters where op outputs are quantized (`presets.every_point`):
+XNNPACK runs a linear or conv in int8 only with its output quantized
+directly or after a ReLU or clamp it fuses, so its layout is
+`presets.every_point(name, target="xnnpack")`, which keeps only those
+(pt2e_fq.export.XNNPACK_FUSED_ACTIVATIONS).
 """
 
 from __future__ import annotations
@@ -50,12 +61,12 @@ import torch
 from pt2e_fq import QSpec
 from pt2e_fq.files import write_text
 
-from .patterns import OP_TYPES
+from .patterns import ACTIVATIONS, OP_TYPES
 from .qspec_dict import ConfigError, check_keys, qspec_from_dict, qspec_to_dict
 
 OP_CONFIG_KEYS = ("input_activation", "weight", "bias", "output_activation")
 _SECTIONS = ("operator_type", "module_type", "module_name", "module_name_regex")
-CONFIG_KEYS = ("global", *_SECTIONS, "model_output", "fuse_conv_add")
+CONFIG_KEYS = ("global", *_SECTIONS, "model_output", "fuse_conv_add", "fuse_activations")
 FILE_SUFFIXES = (".yaml", ".yml", ".json")
 
 
@@ -119,6 +130,16 @@ def _bool(where: str, value, error=TypeError) -> bool:
     return value
 
 
+def _activation_names(where: str, names, error=TypeError) -> tuple[str, ...]:
+    """`names` as a tuple in ACTIVATIONS' order, each checked."""
+    if isinstance(names, str) or not isinstance(names, (list, tuple, set, frozenset)):
+        raise error(f"{where}: expected a list of activation names, got {type(names).__name__} {names!r}")
+    unknown = [n for n in names if n not in ACTIVATIONS]
+    if unknown:
+        raise ConfigError(f"{where}: unknown activation {unknown[0]!r}; allowed: {', '.join(ACTIVATIONS)}")
+    return tuple(n for n in ACTIVATIONS if n in set(names))
+
+
 @dataclass
 class Resolution:
     """The op config chosen for an op and the rule that chose it."""
@@ -131,10 +152,11 @@ class QuantizerConfig:
     """Global, op-type, module-type and module-name op configs; see the module doc."""
 
     def __init__(self, global_config: Optional[OpConfig] = None, model_output: bool = False,
-                 fuse_conv_add: bool = False):
+                 fuse_conv_add: bool = False, fuse_activations: Sequence[str] = tuple(ACTIVATIONS)):
         self.global_config = _op_config_or_none("QuantizerConfig", global_config)
         self.model_output = _bool("QuantizerConfig: model_output", model_output)
         self.fuse_conv_add = _bool("QuantizerConfig: fuse_conv_add", fuse_conv_add)
+        self.fuse_activations = _activation_names("QuantizerConfig: fuse_activations", fuse_activations)
         self.operator_type: dict[str, Optional[OpConfig]] = {}
         self.module_type: dict[type, Optional[OpConfig]] = {}
         self.module_name: dict[str, Optional[OpConfig]] = {}
@@ -155,6 +177,13 @@ class QuantizerConfig:
         """Whether conv2d -> [bn] -> add -> [relu] leaves the conv's output in
         float, for Inductor's fused int8 conv-add (see the module doc)."""
         self.fuse_conv_add = _bool("set_fuse_conv_add: fuse", fuse)
+        return self
+
+    def set_fuse_activations(self, names: Sequence[str]) -> "QuantizerConfig":
+        """The activations (names of quantizers.patterns.ACTIVATIONS: "relu",
+        "gelu", ...) quantized together with the op before them; [] puts
+        every op's output point right after the op (see the module doc)."""
+        self.fuse_activations = _activation_names("set_fuse_activations: names", names)
         return self
 
     def set_operator_type(self, op_type: str, config: Optional[OpConfig]) -> "QuantizerConfig":
@@ -217,6 +246,7 @@ class QuantizerConfig:
             "module_name_regex": {k: as_dict(v) for k, v in self.module_name_regex.items()},
             "model_output": self.model_output,
             "fuse_conv_add": self.fuse_conv_add,
+            "fuse_activations": list(self.fuse_activations),
         }
 
     @classmethod
@@ -228,6 +258,8 @@ class QuantizerConfig:
             config.model_output = _bool("model_output", d["model_output"], ConfigError)
         if "fuse_conv_add" in d:
             config.fuse_conv_add = _bool("fuse_conv_add", d["fuse_conv_add"], ConfigError)
+        if "fuse_activations" in d:
+            config.fuse_activations = _activation_names("fuse_activations", d["fuse_activations"], ConfigError)
         for section in _SECTIONS:
             entries = d.get(section) or {}
             if not isinstance(entries, dict):

@@ -6,6 +6,9 @@ their arguments play which role (input activation, weight, bias) and where
 their output is quantized: after a following activation (and, in the QAT
 graph, a batch norm between a conv and that activation), never in between,
 so conv-bn-relu and linear-gelu are each quantized as one unit.
+QuantizerConfig's fuse_activations narrows which activations join a unit
+(ACTIVATIONS names them): a runtime that fuses only some (XNNPACK: ReLU and
+clamps) needs the op's own output quantized before any other.
 
 A conv2d whose output (after an optional batch norm) flows only into a
 residual add, conv -> [bn] -> add(., other) -> [activation], is one more
@@ -91,11 +94,14 @@ _OP_TYPE_OF = {
 _TRANSPOSED_WEIGHT_OPS = ("conv_transpose1d", "conv_transpose2d")
 _CONV_OPS = ("conv1d", "conv2d", "conv3d", *_TRANSPOSED_WEIGHT_OPS)
 
-# Activations quantized together with the op before them.
-_ACTIVATIONS = set(_with_inplace((
-    aten.relu.default, aten.relu6.default, aten.hardtanh.default, aten.gelu.default, aten.silu.default,
-    aten.hardswish.default, aten.sigmoid.default, aten.tanh.default, aten.leaky_relu.default, aten.elu.default,
-)))
+# Activations that can be quantized together with the op before them (the
+# op's output point after the activation), by the names
+# QuantizerConfig.fuse_activations takes; by default all of them.
+ACTIVATIONS = {
+    name: frozenset(_with_inplace((getattr(aten, name).default,)))
+    for name in ("relu", "relu6", "hardtanh", "gelu", "silu", "hardswish", "sigmoid", "tanh", "leaky_relu", "elu")
+}
+_ACTIVATIONS = frozenset().union(*ACTIVATIONS.values())
 _BATCH_NORMS = {aten.batch_norm.default, aten._native_batch_norm_legit_no_training.default}
 
 # Views (their output may alias their input) and the pass-through ops that copy.
@@ -196,11 +202,17 @@ def _read_after(tensor: Node, node: Node) -> bool:
     return any(u is not node and u not in aliases and order[u] > order[node] for t in aliases for u in t.users)
 
 
-def _fused_output(node: Node, allow_batch_norm: bool) -> tuple[Node, list[Node]]:
+def activation_ops(names) -> frozenset:
+    """The aten ops (in-place twins included) of ACTIVATIONS' `names`."""
+    return frozenset().union(*(ACTIVATIONS[n] for n in names))
+
+
+def _fused_output(node: Node, allow_batch_norm: bool, activations: frozenset) -> tuple[Node, list[Node]]:
     """The end of node -> [batch_norm] -> [activation], each link the only
-    user of the one before, and the nodes before the end."""
+    user of the one before (the activation one of `activations`), and the
+    nodes before the end."""
     chain = [node]
-    for kinds in ((_BATCH_NORMS,) if allow_batch_norm else ()) + (_ACTIVATIONS,):
+    for kinds in ((_BATCH_NORMS,) if allow_batch_norm else ()) + (activations,):
         users = list(chain[-1].users)
         if len(users) == 1 and users[0].op == "call_function" and users[0].target in kinds:
             chain.append(users[0])
@@ -228,8 +240,10 @@ def _einsum_linear(node: Node) -> Optional[tuple[Node, Node, bool]]:
     return operands[1 - params[0]], operands[params[0]], w_term.index(kept[0]) == 1
 
 
-def match(node: Node) -> Optional[OpMatch]:
-    """The OpMatch of a node whose op takes an op config, else None."""
+def match(node: Node, activations: frozenset = _ACTIVATIONS) -> Optional[OpMatch]:
+    """The OpMatch of a node whose op takes an op config, else None; an
+    activation among `activations` (aten ops, activation_ops) right after
+    it is quantized with it."""
     if node.op != "call_function" or node.target not in _OP_TYPE_OF:
         return None
     op_type = _OP_TYPE_OF[node.target]
@@ -271,7 +285,7 @@ def match(node: Node) -> Optional[OpMatch]:
         return OpMatch(op_type, node, inputs, shared_inputs=True)
     if not all(is_float_tensor(a) for a, _ in inputs):
         return None
-    end, inner = _fused_output(node, allow_batch_norm=op_type in _CONV_OPS)
+    end, inner = _fused_output(node, allow_batch_norm=op_type in _CONV_OPS, activations=activations)
     return OpMatch(op_type, node, inputs, output=end, inner=inner, weight_transposed=transposed)
 
 

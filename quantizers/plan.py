@@ -28,7 +28,7 @@ from pt2e_fq import PerBlock, PerChannel, PerGroup, PerTensor, QSpec
 from pt2e_fq.report import float_weight_ops
 
 from .config import OpConfig, QuantizerConfig
-from .patterns import AVERAGING_POOLS, WEIGHT, OpMatch, match, passes_grid, residual_add
+from .patterns import AVERAGING_POOLS, WEIGHT, OpMatch, activation_ops, match, passes_grid, residual_add
 
 EdgeOrNode = Union[Node, tuple[Node, Node]]
 
@@ -140,6 +140,8 @@ class _Walk:
         self.edge_roots: dict[tuple[Node, QSpec], EdgeOrNode] = {}
         # Residual adds of fuse_conv_add -> their input left in float (the conv's output).
         self.float_inputs: dict[Node, Node] = {}
+        # Activations quantized with the op before them (fuse_activations).
+        self.activations = activation_ops(config.fuse_activations)
 
     def annotation(self, node: Node) -> NodeAnnotation:
         return self.plan.annotations.setdefault(node, NodeAnnotation())
@@ -231,7 +233,7 @@ class _Walk:
                 self.annotation(node).output = Point(spec, shared_with=root)
                 self.quantized[node] = (spec, root)
             else:
-                m = match(node)
+                m = match(node, self.activations)
                 if m is not None:
                     self.op(m)
                     matched.add(node)

@@ -60,6 +60,7 @@ from pt2e_fq import (
     PerTensor,
     QSpec,
 )
+from pt2e_fq.export.qdq import XNNPACK_FUSED_ACTIVATIONS
 from pt2e_fq.format_kinds import MX, kind_of
 
 from .config import OpConfig, QuantizerConfig
@@ -122,25 +123,74 @@ PRESETS = _presets(_INT8_ACT)
 _QAT_PRESETS = _presets(_INT8_ACT_QAT)
 
 
-def get_preset(name: str, *, qat: bool = False) -> QuantizerConfig:
+TARGETS = ("generic", "xnnpack", "x86_inductor")
+# Op types Inductor's x86 int8 kernels (oneDNN qconv / qlinear) have no int8
+# form of when both operands are activations, as in attention.
+_X86_FLOAT_OP_TYPES = ("matmul", "bmm")
+
+
+def _check_target(where: str, target: str) -> None:
+    if target not in TARGETS:
+        raise ValueError(f"{where}: unknown target {target!r}; allowed: {', '.join(TARGETS)}")
+
+
+def _for_x86_inductor(config: QuantizerConfig) -> QuantizerConfig:
+    for op_type in _X86_FLOAT_OP_TYPES:
+        config.set_operator_type(op_type, None)
+    return config
+
+
+def get_preset(name: str, target: str = "generic", *, qat: bool = False) -> QuantizerConfig:
     """A fresh copy of a preset (safe to change with the setters); with
     `qat`, its QAT form (MinMaxObserver on the static integer activations,
-    see the module doc)."""
+    see the module doc).
+
+    target (the targets of pt2e_fq.export.to_qdq): "generic", the preset;
+    "x86_inductor", the preset with matmul and bmm float: Inductor runs a
+    matmul of two activations in float on the dequantized values whatever
+    its points, so they only add rounding and kernels, and they keep
+    Inductor from fusing attention's matmuls and softmax into its flash
+    attention (docs/export.md, Speed). "xnnpack" is an error: XNNPACK runs
+    an op in int8 only with its output quantized, which the presets leave
+    float; use every_point(name, target="xnnpack")."""
     if name not in PRESETS:
         raise ValueError(f"get_preset: unknown preset {name!r}; allowed: {', '.join(PRESETS)}")
-    return QuantizerConfig.from_dict((_QAT_PRESETS if qat else PRESETS)[name].to_dict())
+    _check_target("get_preset", target)
+    if target == "xnnpack":
+        raise ValueError("get_preset: target 'xnnpack': XNNPACK runs a linear or conv in int8 only with its output "
+                         "quantized, and the presets leave outputs float; use "
+                         f"presets.every_point({name!r}, target='xnnpack')")
+    config = QuantizerConfig.from_dict((_QAT_PRESETS if qat else PRESETS)[name].to_dict())
+    return _for_x86_inductor(config) if target == "x86_inductor" else config
 
 
-def every_point(name: str, *, qat: bool = False) -> QuantizerConfig:
+def every_point(name: str, target: str = "generic", *, qat: bool = False) -> QuantizerConfig:
     """A preset's formats on every tensor an op config reaches: each op's
     inputs, weight and output (the preset's input QSpec), add, mul, cat,
     stack and embeddings included, the model's outputs too. The layout
-    XNNPACK (ExecuTorch) delegates, which has no int8 op with a float
-    output; it costs accuracy (docs/quantizers.md)."""
+    the PT2E runtimes' int8 ops read and write (XNNPACK has no int8 op with
+    a float output); it costs accuracy (docs/quantizers.md).
+
+    target places the output points of fused units for a runtime (the
+    targets of pt2e_fq.export.to_qdq):
+    - "generic": an op's output point after any activation that follows it
+      (linear -> gelu -> point);
+    - "xnnpack": after ReLU or a clamp only
+      (pt2e_fq.export.XNNPACK_FUSED_ACTIVATIONS), the activations XNNPACK
+      fuses into an int8 conv or linear; any other gets the point on the op's
+      own output (linear -> point -> gelu), without which XNNPACK runs that
+      linear in fp32 (config.set_fuse_activations);
+    - "x86_inductor": as generic, with conv -> [bn] -> add -> [relu] and no
+      point on the conv's output, as Inductor's fused int8 conv-add reads it
+      (config.set_fuse_conv_add), and matmul and bmm float (see get_preset).
+    qat: the preset's QAT form (get_preset)."""
+    _check_target("every_point", target)
     config = get_preset(name, qat=qat)
     full = lambda c: OpConfig(c.input_activation, c.weight, c.bias, c.input_activation)  # noqa: E731
-    result = QuantizerConfig(full(config.global_config), model_output=True)
+    result = QuantizerConfig(full(config.global_config), model_output=True, fuse_conv_add=target == "x86_inductor")
+    if target == "xnnpack":
+        result.set_fuse_activations(XNNPACK_FUSED_ACTIVATIONS)
     for op_type, op_config in config.operator_type.items():
         if op_config is not None:
             result.set_operator_type(op_type, full(op_config))
-    return result
+    return _for_x86_inductor(result) if target == "x86_inductor" else result

@@ -9,6 +9,11 @@ def tiny_mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
 
 
+def gelu_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+
+
 def not_a_model():
     return "a string"
 

@@ -60,3 +60,38 @@ def test_pte_is_written_and_checked_in_executorch(capsys, tmp_path):
     rc, out, err = _main(capsys, *QUANTIZE, "--preset", "w4a8", "--pte", str(pte))
     assert rc == 0, err
     assert "5 point(s) as q/dq, 0 weight(s) in float" in out and "outside: none" in out
+
+
+@needs_executorch
+def test_pte_puts_a_point_between_a_linear_and_its_gelu(capsys, tmp_path):
+    # --pte quantizes with presets.every_point(preset, target="xnnpack"): the first
+    # linear's output is quantized before the GELU (XNNPACK fuses no GELU), so
+    # XNNPACK runs both linears in int8 and no weight is left in float.
+    pte = tmp_path / "m.pte"
+    args = ["quantize", "--model", "cli_models:gelu_mlp", "--example-input", "8x16", "--no-progress"]
+    rc, out, err = _main(capsys, *args, "--preset", "w8a8", "--pte", str(pte))
+    assert rc == 0, err
+    # input, 2 weights, linear output, GELU output (the second linear's input), the logits
+    assert f"saved {pte}: 6 point(s) as q/dq, 0 weight(s) in float" in out and "outside: none" in out, out
+    # The generic every-point layout (the point after the GELU) leaves the first linear in float.
+    config = tmp_path / "every.yaml"
+    presets.every_point("w8a8").save(config)
+    rc, out, err = _main(capsys, *args, "--config", str(config), "--pte", str(pte))
+    assert rc == 0, err
+    assert f"saved {pte}: 4 point(s) as q/dq, 1 weight(s) in float" in out, out
+
+
+def test_a_preset_is_laid_out_for_the_target():
+    import argparse
+
+    from pt2e_fq.app.cli import quantizer_config
+
+    def config(**kw):
+        return quantizer_config(argparse.Namespace(**{"preset": "w8a8", "config": None, "pte": None,
+                                                      "target": "fake_quant", **kw}))
+
+    assert config() == presets.get_preset("w8a8")
+    assert config(target="generic") == presets.get_preset("w8a8")
+    assert config(target="x86_inductor") == presets.get_preset("w8a8", target="x86_inductor")
+    assert config(target="xnnpack") == presets.every_point("w8a8", target="xnnpack")
+    assert config(pte="m.pte") == presets.every_point("w8a8", target="xnnpack")

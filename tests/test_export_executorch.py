@@ -183,3 +183,29 @@ def test_a_transformer_block_runs_with_the_linear_before_gelu_in_float(tmp_path)
     # difference that moves a value across a rounding boundary cascades, up to 2 steps here
     # (docs/export.md, "Where the runtimes differ").
     assert check.outputs[0].max_steps <= 2 + 1e-3, str(check)
+
+
+@needs_executorch
+def test_a_transformer_block_quantized_for_xnnpack_runs_every_linear_in_int8(tmp_path):
+    from pt2e_fq.app import pipeline
+    from pt2e_fq.app.models import EncoderBlock
+
+    torch.manual_seed(0)
+    block = EncoderBlock().eval()
+    batches = [(torch.randn(2, 6, 32),) for _ in range(4)]
+    # every_point(target="xnnpack"): mlp.0 gets a point on its own output, GELU's
+    # input, so XNNPACK can run it in int8.
+    model = pipeline.quantize(block, batches[0], presets.every_point("w8a8", target="xnnpack"),
+                              calibration=batches, progress=False)
+    x = batch(6, (2, 6, 32))
+    result = to_executorch(model, x, tmp_path / "block.pte")
+    assert not result.qdq.in_float and not result.qdq.kept, str(result.qdq)
+    # ExecuTorch's delegation summary: every linear inside the delegate with its
+    # weight's int8 dequantize (XNNPACK takes that only as a quantized linear).
+    linears = sum(isinstance(m, torch.nn.Linear) for m in block.modules())
+    assert linears == 6
+    assert result.delegated["aten_linear_default"] == linears, result.delegated
+    assert result.delegated["quantized_decomposed_dequantize_per_channel_default"] == linears, result.delegated
+    assert not any("quantize" in op or "linear" in op or "gelu" in op for op in result.outside), str(result)
+    check = check_lowered(tmp_path / "block.pte", model, x)
+    assert check.outputs[0].max_steps <= 2 + 1e-3, str(check)  # as in the test above

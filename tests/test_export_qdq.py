@@ -143,6 +143,14 @@ def _encoder_w8a8():
                              progress=False)
 
 
+def _encoder_w8a8_preset():
+    """The w8a8 preset (no output points): Inductor fuses each residual add into a linear."""
+    torch.manual_seed(0)
+    model = EncoderBlock().eval()
+    batches = [(torch.randn(2, 6, 32),) for _ in range(4)]
+    return pipeline.quantize(model, batches[0], "w8a8", calibration=batches, progress=False)
+
+
 def _qat_conv_bn():
     return convert_pt2e(qat_prepared())
 
@@ -214,6 +222,59 @@ def test_compiled_with_freezing_inductor_runs_onednn_int8_kernels():
     assert any(k.startswith("qlinear") for k in kernels), kernels
     _within_one_step(out, model, x)
     assert check_lowered(compiled, model, x).ok
+
+
+def test_compiled_encoder_block_leaves_its_input_alone():
+    from torch._inductor.utils import run_and_get_code
+
+    model = _encoder_w8a8_preset()
+    x = batch(8, (2, 6, 32))
+    before = x.clone()
+    compiled = compile_x86(to_qdq(model, x, target="x86_inductor"))
+    out, code = run_and_get_code(compiled, x)
+    # The residual adds fused into the linears with oneDNN's in-place "sum" post-op,
+    # which writes into its float operand: here the block's input.
+    assert re.search(r"qlinear_pointwise\.binary\w*\(.*'sum'", "\n".join(code)), "\n".join(code)
+    assert torch.equal(x, before)
+    assert out.data_ptr() != x.data_ptr()
+    with torch.no_grad():
+        again = compiled(x)
+    assert torch.equal(x, before) and torch.equal(again, out)
+    # The result is the lowered program's, run eagerly (same q/dq ops; oneDNN's
+    # int32 accumulation and requantization may move a value by a float ulp).
+    torch.testing.assert_close(out, to_qdq(model, x, target="x86_inductor").module()(before), atol=1e-5, rtol=0)
+
+
+def _inductor_calls(compiled, x) -> list:
+    from torch._inductor.utils import run_and_get_code
+
+    _, code = run_and_get_code(compiled, x)
+    return sorted(re.findall(r"(torch\.ops\.onednn\.\w+\.\w+|extern_kernels\.\w+|_scaled_dot_product\w+)\(",
+                             "\n".join(code)))
+
+
+def test_the_x86_inductor_preset_compiles_the_block_as_the_stock_flow_does():
+    from pt2e_fq.app.accuracy import stock_quantize
+
+    torch.manual_seed(0)
+    block = EncoderBlock().eval()
+    batches = [(torch.randn(2, 6, 32),) for _ in range(4)]
+    x = batch(8, (2, 6, 32))
+    stock = stock_quantize(block, batches[0], batches, "X86InductorQuantizer")
+    with torch._inductor.config.patch(freezing=True), torch.no_grad():
+        stock_calls = _inductor_calls(torch.compile(torch.export.export(stock, (x,)).module()), x.clone())
+    ours = {}
+    for target in ("generic", "x86_inductor"):
+        torch._dynamo.reset()
+        model = pipeline.quantize(block, batches[0], presets.get_preset("w8a8", target), calibration=batches,
+                                  progress=False)
+        ours[target] = _inductor_calls(compile_x86(to_qdq(model, x, target="x86_inductor")), x)
+    # The stock layout leaves attention's matmuls float: Inductor fuses them and the
+    # softmax into its flash attention. The x86_inductor preset gives the same calls;
+    # the generic preset's points around the matmuls leave two float bmm.
+    assert any("flash_attention" in c for c in stock_calls), stock_calls
+    assert ours["x86_inductor"] == stock_calls, (ours["x86_inductor"], stock_calls)
+    assert ours["generic"].count("extern_kernels.bmm") == 2 and not any("flash" in c for c in ours["generic"])
 
 
 # -- what cannot be lowered ---------------------------------------------------------

@@ -127,12 +127,14 @@ def _parser() -> argparse.ArgumentParser:
     quantize.add_argument("--target", choices=("fake_quant", *TARGETS), default="fake_quant",
                           help="what --out holds: our fake-quant ops (default), or the quantize / dequantize ops "
                                "of a PT2E runtime (generic, xnnpack, x86_inductor: compile it with "
-                               "pt2e_fq.export.compile_x86), checked against the fake-quant graph")
+                               "pt2e_fq.export.compile_x86), checked against the fake-quant graph; with "
+                               "x86_inductor a --preset leaves matmul and bmm float "
+                               "(presets.get_preset(..., target='x86_inductor'))")
     quantize.add_argument("--pte", metavar="FILE.pte",
                           help="export an ExecuTorch program (XNNPACK delegate; needs the executorch extra) "
                                "and check it in ExecuTorch's runtime; with --pte or --target xnnpack a --preset "
-                               "goes on every tensor (presets.every_point), as XNNPACK delegates int8 ops with "
-                               "int8 outputs only")
+                               "goes on every tensor with XNNPACK's fusions (presets.every_point(..., "
+                               "target='xnnpack')), as XNNPACK delegates int8 ops with int8 outputs only")
     quantize.add_argument("--unsupported", choices=UNSUPPORTED, default="error",
                           help="a point the target cannot take: an error (default), kept as our op, or, for a "
                                "weight, stored as its fake-quantized floats")
@@ -326,8 +328,12 @@ def quantizer_config(args):
             raise UsageError(f"--preset: unknown preset {args.preset!r}; allowed: {', '.join(presets.PRESETS)}")
         qat = getattr(args, "qat_steps", 0) > 0  # the preset's QAT form (presets.get_preset)
         if getattr(args, "pte", None) or getattr(args, "target", None) == "xnnpack":
-            # XNNPACK delegates int8 ops with int8 outputs only (docs/export.md): the preset on every tensor.
-            return presets.every_point(args.preset, qat=qat)
+            # XNNPACK delegates int8 ops with int8 outputs only (docs/export.md): the preset on every
+            # tensor, an op's output point after ReLU / clamp only (the activations XNNPACK fuses).
+            return presets.every_point(args.preset, target="xnnpack", qat=qat)
+        if getattr(args, "target", None) == "x86_inductor":
+            # Inductor has no int8 matmul of two activations: matmul and bmm float (docs/export.md).
+            return presets.get_preset(args.preset, target="x86_inductor", qat=qat)
         return presets.get_preset(args.preset, qat=qat)
     if not Path(args.config).is_file():
         raise UsageError(f"--config: no such file {args.config!r}")

@@ -304,8 +304,10 @@ def _run(out: Path, float_epochs, qat_epochs, calibration_batches, seed, progres
 
     # PTQ w8a8: calibrate on a few training batches. The preset on every
     # tensor (presets.every_point), here and for QAT: the same models go to
-    # ExecuTorch XNNPACK, which delegates int8 ops with int8 outputs only.
-    ptq = pipeline.prepare(model, example, presets.every_point("w8a8"))
+    # ExecuTorch XNNPACK, which delegates int8 ops with int8 outputs only
+    # (target="xnnpack": output points after the activations XNNPACK fuses
+    # only; the CNN's ReLUs are, so Inductor gets the same points).
+    ptq = pipeline.prepare(model, example, presets.every_point("w8a8", target="xnnpack"))
     pipeline.calibrate(ptq, [x for x, _ in data.batches("train", BATCH, seed=seed)][:calibration_batches],
                        progress=progress)
     ptq = pipeline.convert(ptq)
@@ -317,7 +319,7 @@ def _run(out: Path, float_epochs, qat_epochs, calibration_batches, seed, progres
 
     # QAT w4a8 from the float weights; first the step time against float.
     model.load_state_dict(float_state)
-    qat = pipeline.prepare(model, example, presets.every_point("w4a8", qat=True), qat=True)
+    qat = pipeline.prepare(model, example, presets.every_point("w4a8", target="xnnpack", qat=True), qat=True)
     ms = step_times({"float": model.train(), "qat": qat}, example, data.y_train[:BATCH], F.cross_entropy)
     float_row.step_ms = ms["float"]
     optimizer = torch.optim.Adam([p for p in qat.parameters() if p.requires_grad], lr=5e-4)

@@ -12,7 +12,7 @@ Needs the `executorch` extra: pip install "pt2e_fq[executorch]" (executorch
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import torch
@@ -35,13 +35,17 @@ def require_executorch() -> None:
 class PteExport:
     """What to_executorch wrote: the file, what to_qdq did with each point,
     how many graph nodes the XNNPACK delegate took and which ops stayed
-    outside it (op type: count, run by ExecuTorch's portable kernels)."""
+    outside it (op type: count, run by ExecuTorch's portable kernels), and
+    the delegated nodes by op type (ExecuTorch's delegation summary: an int8
+    linear or conv is there with its weight's dequantize,
+    quantized_decomposed_dequantize_per_channel_default, say)."""
 
     path: str
     qdq: QdqSummary
     delegated_subgraphs: int
     delegated_nodes: int
     outside: dict
+    delegated: dict = field(default_factory=dict)
 
     def __str__(self) -> str:
         outside = ", ".join(f"{op} x{n}" for op, n in sorted(self.outside.items())) or "none"
@@ -88,6 +92,7 @@ def to_executorch(
     info = get_delegation_info(edge.exported_program().graph_module)
     outside = {op: b.non_delegated for op, b in info.delegation_by_operator.items()
                if b.non_delegated and op != "getitem"}
+    delegated = {op: b.delegated for op, b in info.delegation_by_operator.items() if b.delegated}
     left = [n for n in edge.exported_program().graph.nodes
             if n.op == "call_function" and "quantize" in str(n.target)]
     if left:
@@ -101,7 +106,8 @@ def to_executorch(
             "quantizes an op only when a dequantize feeds each of its inputs directly"
         )
     write_bytes(path, edge.to_executorch().buffer)
-    return PteExport(os.fspath(path), summary, info.num_delegated_subgraphs, info.num_delegated_nodes, outside)
+    return PteExport(os.fspath(path), summary, info.num_delegated_subgraphs, info.num_delegated_nodes, outside,
+                     delegated)
 
 
 def _check_bounded(program: torch.export.ExportedProgram) -> None:

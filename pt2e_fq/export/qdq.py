@@ -21,9 +21,12 @@ What each target takes:
 - xnnpack: int8 per-tensor activations; int8 (int4 as int8 codes in -8..7)
   symmetric per-tensor or per-channel weights (a conv's int4 codes are
   declared int8: XNNPACK's 4-bit weights are for linear only). XNNPACK
-  quantizes a linear or conv only when its output is quantized too (a
-  linear before a GELU whose output is the point is not): such an op's
-  weight is stored as its fake-quantized floats, and listed.
+  quantizes a linear or conv only when its output is quantized too,
+  directly or after a ReLU or clamp it fuses (XNNPACK_FUSED_ACTIVATIONS;
+  a linear before a GELU whose output is the point is not): such an op's
+  weight is stored as its fake-quantized floats, and listed. Quantize for
+  it with quantizers.presets.every_point(name, target="xnnpack"), which
+  puts such a point on the linear's own output.
 - x86_inductor: per-tensor activations as uint8 (an int8 point's codes and
   zero point shifted by 128, which is exact); int8 symmetric per-channel
   weights (a per-tensor weight becomes per-channel with its scale repeated).
@@ -349,8 +352,15 @@ def _one_dequantize_per_user(gm: torch.fx.GraphModule) -> None:
             user.replace_input_with(dq, copy)
 
 
-# Activations XNNPACK fuses into a quantized conv / linear before the output's quantize.
-_FUSED_ACTIVATIONS = {torch.ops.aten.relu.default, torch.ops.aten.relu_.default, torch.ops.aten.hardtanh.default}
+# The activations XNNPACK fuses into a quantized conv / linear before the
+# output's quantize (ExecuTorch's gemm partitioner configs and
+# FuseActivationPass: relu and hardtanh; relu6 is a hardtanh), by aten op
+# name. The one list: quantizers.presets.every_point(target="xnnpack") fuses
+# only these with the op before them, so that every other activation's op
+# gets its own output point.
+XNNPACK_FUSED_ACTIVATIONS = ("relu", "relu6", "hardtanh")
+_FUSED_ACTIVATIONS = {getattr(getattr(torch.ops.aten, name + suffix), "default")
+                      for name in XNNPACK_FUSED_ACTIVATIONS for suffix in ("", "_")}
 
 
 def _quantized(node: torch.fx.Node) -> bool:
@@ -498,7 +508,9 @@ def compile_x86(program: torch.export.ExportedProgram):
     """to_qdq(target="x86_inductor")'s program compiled by Inductor with
     freezing (which folds the weight codes into oneDNN's packed int8 weights
     and lets its patterns turn dq -> conv / linear -> q into qconv / qlinear),
-    run without autograd, which freezing needs. Returns the callable."""
+    run without autograd, which freezing needs. Returns the callable, which
+    runs the compiled module on copies of its tensor arguments (Inductor's
+    fused linear + add may write into an input)."""
     if not isinstance(program, torch.export.ExportedProgram):
         raise TypeError(f"compile_x86: program must be to_qdq's ExportedProgram, got {type(program).__name__}")
     compiled = torch.compile(program.module())
@@ -507,6 +519,11 @@ def compile_x86(program: torch.export.ExportedProgram):
     # setting must hold then; torch.compile(options={"freezing": True}) does
     # not reach the freezing pass (onednn::qconv_prepack then fails on meta tensors).
     def run(*args):
+        # Inductor's fused int8 linear + residual add (qlinear_pointwise.binary
+        # with the "sum" post-op) accumulates into its float operand in place,
+        # a graph input too: the encoder block's input came back holding
+        # x + attn(x), and was the output. The copy keeps the caller's tensors.
+        args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
         with torch._inductor.config.patch(freezing=True), torch.no_grad():
             return compiled(*args)
 

@@ -91,7 +91,9 @@ def check_lowered(lowered, model, inputs) -> LoweredCheck:
     ep = exported_program(model, args)
     with torch.no_grad():
         ours = [t.detach() for t in tree_leaves(ep.module()(*args))]
-    theirs = _run(lowered, args)
+    # Copies: a compiled module may write into its inputs (Inductor's fused
+    # int8 linear + add does, see compile_x86), which are the caller's.
+    theirs = _run(lowered, tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
     if len(theirs) != len(ours):
         raise ValueError(f"check_lowered: the lowered model gave {len(theirs)} outputs, ours {len(ours)}")
     checks = []
