@@ -21,8 +21,9 @@ record that op_call.py builds for any pt2e_fq node or call.
 
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -41,6 +42,12 @@ from .qparams import (
     two_level_global_scale,
 )
 from .schemes import Formulation, Scheme
+
+# While set (by to_onnx, around its torch.export): fn(x, block_size, fmax)
+# -> the dynamic scaled-float scale of x as one op call the ONNX translation
+# expands (export/onnx_scale.py), or None where it does not apply.
+FUSED_FLOAT_SCALE: contextvars.ContextVar[Optional[Callable]] = contextvars.ContextVar("FUSED_FLOAT_SCALE",
+                                                                                        default=None)
 
 # Bits a stored fp32 qparam (scale, minval, global scale) takes.
 _FP32_BITS = 32
@@ -328,7 +335,11 @@ class _ScaledFloat(FormatKind):
     def current_qparams(self, spec, x, block_size):
         # float_scale(max(|lo|, |hi|)) with the empty range read as [0, 0]
         # is float_scale of the finite values' largest |value|, 0 for none.
-        return {"scale": float_scale_from_amax(block_abs_max(x, block_size), spec.format.fmax)}
+        fused = FUSED_FLOAT_SCALE.get()
+        scale = None if fused is None else fused(x, block_size, spec.format.fmax)
+        if scale is None:
+            scale = float_scale_from_amax(block_abs_max(x, block_size), spec.format.fmax)
+        return {"scale": scale}
 
     def fake_quantize(self, spec, x, block_size, qparams):
         return ops.fake_quantize_float(x, block_size, qparams["scale"], spec.format.element.name)

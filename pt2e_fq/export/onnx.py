@@ -157,10 +157,12 @@ def to_onnx(
     """
     require_onnx()
     from .onnx_qdq import translation_table
+    from .onnx_scale import fused_scales
 
     _check_opset(opset)
     check_writable(path)  # before the export's work
-    ep = exported_program(model, example_inputs, dynamic_shapes=dynamic_shapes, fold_bn=fold_bn)
+    with fused_scales():  # a dynamic FP8 point's scale as one node (onnx_scale.py)
+        ep = exported_program(model, example_inputs, dynamic_shapes=dynamic_shapes, fold_bn=fold_bn)
     check_finite_qparams(ep, "to_onnx")
     _check_exportable(ep)
     points: list = []

@@ -243,7 +243,10 @@ def translation_table(constants: Mapping[str, torch.Tensor], points: list) -> di
     placeholder names to their tensors (parameters, buffers, constants).
     Each translation appends to `points` its (input, input's consumers,
     output) ONNX values, input None where x was a constant stored as codes."""
+    from .onnx_scale import translate_float_scale
+
     return {
+        torch.ops.pt2e_fq_onnx.float_scale.default: translate_float_scale,
         pt2e_fq_ops.fake_quantize_affine.default: _affine(constants, points),
         pt2e_fq_ops.fake_quantize_float.default: _float(constants, points),
         pt2e_fq_ops.fake_quantize_mx.default: _mx(constants, points),
