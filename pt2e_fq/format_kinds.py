@@ -21,7 +21,6 @@ record that op_call.py builds for any pt2e_fq node or call.
 
 from __future__ import annotations
 
-import contextvars
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -45,9 +44,10 @@ from .schemes import Formulation, Scheme
 
 # While set (by to_onnx, around its torch.export): fn(x, block_size, fmax)
 # -> the dynamic scaled-float scale of x as one op call the ONNX translation
-# expands (export/onnx_scale.py), or None where it does not apply.
-FUSED_FLOAT_SCALE: contextvars.ContextVar[Optional[Callable]] = contextvars.ContextVar("FUSED_FLOAT_SCALE",
-                                                                                        default=None)
+# expands (export/onnx_scale.py), or None where it does not apply. A plain
+# module global, not a ContextVar: torch.compile reads a global (and guards
+# on it) but breaks the graph at ContextVar.get.
+FUSED_FLOAT_SCALE: Optional[Callable] = None
 
 # Bits a stored fp32 qparam (scale, minval, global scale) takes.
 _FP32_BITS = 32
@@ -335,7 +335,7 @@ class _ScaledFloat(FormatKind):
     def current_qparams(self, spec, x, block_size):
         # float_scale(max(|lo|, |hi|)) with the empty range read as [0, 0]
         # is float_scale of the finite values' largest |value|, 0 for none.
-        fused = FUSED_FLOAT_SCALE.get()
+        fused = FUSED_FLOAT_SCALE
         scale = None if fused is None else fused(x, block_size, spec.format.fmax)
         if scale is None:
             scale = float_scale_from_amax(block_abs_max(x, block_size), spec.format.fmax)

@@ -25,7 +25,7 @@ import torch
 from onnxscript import opset21 as op
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..format_kinds import FUSED_FLOAT_SCALE
+from .. import format_kinds
 from ..observers import block_abs_max
 from ..qparams import FLOAT_SCALE_TINY, float_scale_from_amax
 from .onnx_layout import constant
@@ -63,11 +63,12 @@ def _fused(x: torch.Tensor, block_size, fmax: float) -> Optional[torch.Tensor]:
 @contextlib.contextmanager
 def fused_scales() -> Iterator[None]:
     """Dynamic scaled-float scales trace as pt2e_fq_onnx::float_scale inside."""
-    token = FUSED_FLOAT_SCALE.set(_fused)
+    previous = format_kinds.FUSED_FLOAT_SCALE
+    format_kinds.FUSED_FLOAT_SCALE = _fused
     try:
         yield
     finally:
-        FUSED_FLOAT_SCALE.reset(token)
+        format_kinds.FUSED_FLOAT_SCALE = previous
 
 
 def translate_float_scale(x, dims, fmax):
