@@ -23,6 +23,7 @@ from . import observer_sync
 from .blocks import reduced_shape
 from .formats import IntFormat
 from .granularity import PerChannel, PerTensor
+from .observers import CurrentMinMaxObserver
 from .qspec import QSpec
 from .schemes import Formulation, Scheme
 
@@ -290,6 +291,18 @@ class FakeQuantize(FakeQuantizeBase):
 
         return self._observer.search(histogram, *new, fake_quantize_rows)
 
+    def _dynamic_qparams(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A dynamic point's qparams for x: with the default observer
+        (CurrentMinMaxObserver) the kind's `current_qparams`, the same values
+        as observing in fewer ops (they are traced into every exported graph)."""
+        if type(self._observer) is not CurrentMinMaxObserver:
+            return self._range_and_qparams(x, None)[1]
+        if not torch.compiler.is_exporting():
+            # The op gives the scale no gradient; detached, autograd keeps none of
+            # these ops' tensors. An exported graph needs no detach node.
+            x = x.detach()
+        return self._kind.current_qparams(self.qspec, x, self.qspec.range_granularity.block_size(x.shape))
+
     def _sync_group(self):
         """The process group this point's observer all-reduces over, or None:
         only observers that keep a running range synchronise (MSE and
@@ -349,7 +362,7 @@ class FakeQuantize(FakeQuantizeBase):
             if not self._fake_quant_on:
                 return x
             # (MX formats need nothing: the kernel scales every block itself.)
-            qparams = self._range_and_qparams(x, None)[1] if self._qparam_names else {}
+            qparams = self._dynamic_qparams(x) if self._qparam_names else {}
             return self._fake_quantize(x, qparams)
         sync_group = self._sync_group() if self._observer_on else None
         if x.numel() == 0:

@@ -22,23 +22,32 @@ record that op_call.py builds for any pt2e_fq node or call.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from . import ops
 from .formats import ELEMENTS, FloatFormat, Format, IntFormat
 from .granularity import Granularity, PerGroup, PerTensor
+from .observers import block_abs_max, block_min_max, fp32
 from .qparams import (
     INT_SCALE_EPS,
     asymmetric_qparams,
     float_scale,
+    float_scale_from_amax,
     int_range_limit,
     minval_qparams,
     symmetric_qparams,
     two_level_global_scale,
 )
 from .schemes import Formulation, Scheme
+
+# While set (by to_onnx, around its torch.export): fn(x, block_size, fmax)
+# -> the dynamic scaled-float scale of x as one op call the ONNX translation
+# expands (export/onnx_scale.py), or None where it does not apply. A plain
+# module global, not a ContextVar: torch.compile reads a global (and guards
+# on it) but breaks the graph at ContextVar.get.
+FUSED_FLOAT_SCALE: Optional[Callable] = None
 
 # Bits a stored fp32 qparam (scale, minval, global scale) takes.
 _FP32_BITS = 32
@@ -133,9 +142,16 @@ class FormatKind:
         is empty (lo > hi: no finite value observed, see observers.py) gets
         the qparams of [0, 0], which are finite: the op refuses non-finite
         ones, and a NaN input must give NaN outputs, not an error."""
-        lo, hi = lo.float(), hi.float()
+        lo, hi = fp32(lo), fp32(hi)
         empty = lo > hi
         return self._from_range(spec, torch.where(empty, 0.0, lo), torch.where(empty, 0.0, hi), dtype)
+
+    def current_qparams(self, spec, x: torch.Tensor, block_size) -> dict[str, torch.Tensor]:
+        """The qparams of a dynamic point (CurrentMinMaxObserver) for x:
+        `qparams_from_range` of x's block_min_max. A kind may compute them
+        in fewer ops, bit for bit: these ops run at every call and are
+        traced into every exported graph, once per dynamic point."""
+        return self.qparams_from_range(spec, *block_min_max(x, block_size), x.dtype)
 
     def _from_range(self, spec, lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -315,6 +331,15 @@ class _ScaledFloat(FormatKind):
 
     def _from_range(self, spec, lo, hi, dtype):
         return {"scale": float_scale(lo, hi, spec.format.fmax)}
+
+    def current_qparams(self, spec, x, block_size):
+        # float_scale(max(|lo|, |hi|)) with the empty range read as [0, 0]
+        # is float_scale of the finite values' largest |value|, 0 for none.
+        fused = FUSED_FLOAT_SCALE
+        scale = None if fused is None else fused(x, block_size, spec.format.fmax)
+        if scale is None:
+            scale = float_scale_from_amax(block_abs_max(x, block_size), spec.format.fmax)
+        return {"scale": scale}
 
     def fake_quantize(self, spec, x, block_size, qparams):
         return ops.fake_quantize_float(x, block_size, qparams["scale"], spec.format.element.name)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Callable, ClassVar, Optional, Sequence
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .blocks import expand_blocks, reduce_blocks
 
@@ -33,13 +34,38 @@ FakeQuantizeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ReduceRangeFn = Callable[[torch.Tensor, torch.Tensor], Range]
 
 
+def fp32(t: torch.Tensor) -> torch.Tensor:
+    """t as float32. `t.float()` of an fp32 tensor is t itself in eager mode,
+    but torch.export records it (a cast and a metadata assertion), and a
+    dynamic point's qparam ops are traced into every exported graph."""
+    return t if t.dtype == torch.float32 else t.float()
+
+
 def block_min_max(x: torch.Tensor, block_size: Sequence[int]) -> Range:
     """The fp32 minimum and maximum of the finite values of every block;
     (+inf, -inf) for a block with none (see the module docstring)."""
     finite = torch.isfinite(x)
     lo = reduce_blocks(torch.where(finite, x, math.inf), block_size, torch.amin, math.inf)
     hi = reduce_blocks(torch.where(finite, x, -math.inf), block_size, torch.amax, -math.inf)
-    return lo.float(), hi.float()
+    return fp32(lo), fp32(hi)
+
+
+def block_abs_max(x: torch.Tensor, block_size: Sequence[int]) -> torch.Tensor:
+    """The fp32 maximum |value| of the finite values of every block, 0 for a
+    block with none: max(|lo|, |hi|) of block_min_max with an empty range
+    read as [0, 0], bit for bit (|x| is exact, and a maximum does not round),
+    in half the ops. Every value reduced is >= +0, so neither the order of the
+    reduction nor a padding 0 can change the result; blocks that span whole
+    dimensions (per-tensor, per-channel, per-token) are reduced over those
+    dimensions in place, without a reshape. Sizes are compared only where
+    statically known, so a dynamic batch gets no guard."""
+    a = x.abs()
+    a = torch.where(a < math.inf, a, 0.0)  # |x| < inf: x is finite (False for NaN); fewer ops than isfinite
+    whole = [d for d, (s, b) in enumerate(zip(a.shape, block_size)) if statically_known_true(b >= s)]
+    ones = [d for d, b in enumerate(block_size) if statically_known_true(b == 1)]
+    if whole and len(set(whole) | set(ones)) == a.dim() and a.numel() > 0:
+        return fp32(torch.amax(a, dim=whole, keepdim=True))
+    return fp32(reduce_blocks(a, block_size, torch.amax, 0.0))
 
 
 def is_empty(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:

@@ -60,7 +60,11 @@ def minval_qparams(lo, hi, quant_min: int, quant_max: int) -> tuple[torch.Tensor
 
 def float_scale(lo, hi, fmax: float) -> torch.Tensor:
     """Float formats: the block's amax maps to the format's largest value."""
-    amax = torch.maximum(lo.abs(), hi.abs())
+    return float_scale_from_amax(torch.maximum(lo.abs(), hi.abs()), fmax)
+
+
+def float_scale_from_amax(amax, fmax: float) -> torch.Tensor:
+    """float_scale of a range whose largest |value| is amax (>= 0)."""
     return (amax / fmax).clamp(min=FLOAT_SCALE_TINY)
 
 

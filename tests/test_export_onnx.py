@@ -168,6 +168,26 @@ def test_dynamic_per_token_activations_with_a_dynamic_batch(tmp_path):
         check_onnx(path, model, (batch(1, (n, 4, 64)),))
 
 
+@pytest.mark.parametrize("gran", [q.PerTensor(), q.PerToken(), q.PerChannel(1), q.PerGroup(16)], ids=repr)
+def test_dynamic_fp8_scales_run_bit_for_bit(gran, tmp_path):
+    """to_onnx traces a dynamic FP8 point's scale as one op where its blocks
+    span whole dimensions (export/onnx_scale.py; PerGroup takes the ATen
+    ops): either way ONNX Runtime computes the scale torch does, so every
+    point is bit-exact, NaN and +-Inf included."""
+    shape = (2, 4, 64)
+    model = ptq(q.QSpec(q.FP8_E4M3, gran, dynamic=True), q.QSpec(q.FP8_E4M3, q.PerChannel(0)), model=MLP(),
+                shape=shape)
+    path = tmp_path / "model.onnx"
+    to_onnx(model, (batch(0, shape),), path)
+    ops = _ops(onnx.load(path))
+    activations = ops.count("QuantizeLinear")
+    assert activations >= 2 and ops.count("ReduceMax") == activations  # one computed scale per activation point
+    x = batch(1, shape)
+    x[0, 0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    x[-1, 1] = float("nan")  # a token (a group, a channel's row) with no finite value
+    assert check_onnx(path, model, (x,)).points == ops.count("DequantizeLinear")  # one DQ per point
+
+
 def _standalone_point(spec, x):
     """A calibrated, converted FakeQuantize as a model of its own."""
     point = q.FakeQuantize(spec)

@@ -225,3 +225,83 @@ def test_observe_and_qparams_trace_with_fake_tensors(spec):
     red = torch.Size([-(-a // b) for a, b in zip(x.shape, spec.granularity.block_size(x.shape))])
     graph = make_fx(step, tracing_mode="fake")(x, torch.zeros(red), torch.ones(red))
     assert len(graph.graph.nodes) > 3
+
+
+# ---------------------------------------------------------------------------
+# A dynamic point's qparams in fewer ops (FormatKind.current_qparams)
+
+
+def _nasty(shape, dtype, seed=0):
+    """Random values with NaN, +-Inf, -0.0, and one block-sized region with
+    no finite value at all (the empty range)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g) * 10
+    flat = x.view(-1)
+    pick = torch.randperm(flat.numel(), generator=g)
+    flat[pick[:3]] = float("nan")
+    flat[pick[3:5]] = float("inf")
+    flat[pick[5:7]] = -float("inf")
+    flat[pick[7:9]] = -0.0
+    x[0, :2] = float("nan")  # with block sizes up to 2 on dim 1, a block with no finite value
+    return x.to(dtype)
+
+
+def _abs_max_by_loop(x, block_size):
+    """max |x| over the finite values of every block, 0 for a block without one."""
+    red = [-(-s // b) for s, b in zip(x.shape, block_size)]
+    out = torch.empty(red)
+    for idx in torch.cartesian_prod(*[torch.arange(r) for r in red]).reshape(-1, len(red)).tolist():
+        block = x[tuple(slice(i * b, (i + 1) * b) for i, b in zip(idx, block_size))].float()
+        finite = block[torch.isfinite(block)]
+        out[tuple(idx)] = finite.abs().max() if finite.numel() else 0.0
+    return out
+
+
+GRANULARITIES = [q.PerTensor(), q.PerChannel(0), q.PerChannel(1), q.PerToken(), q.PerGroup(2),
+                 q.PerGroup(3), q.PerGroup(2, axis=0), q.PerBlock((2, 3, 4))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("gran", GRANULARITIES, ids=repr)
+def test_block_abs_max_matches_a_loop_over_blocks(gran, dtype):
+    from pt2e_fq.observers import block_abs_max
+
+    x = _nasty((3, 5, 7), dtype)
+    bs = gran.block_size(x.shape)
+    got = block_abs_max(x, bs)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, _abs_max_by_loop(x, bs))
+    assert not torch.signbit(got).any()  # +0.0 where a block is all zeros or has no finite value
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("gran", GRANULARITIES, ids=repr)
+@pytest.mark.parametrize("fmt", [q.FP8_E4M3, q.FP8_E5M2, q.FP4_E2M1], ids=lambda f: f.name)
+def test_a_dynamic_float_scale_is_the_observed_ranges_bit_for_bit(fmt, gran, dtype):
+    """current_qparams (the dynamic point's shortcut) against the path every
+    static point takes: the observer's range, then qparams_from_range; and
+    against the format definition, max |finite x| / fmax floored at the
+    smallest normal fp32."""
+    spec = q.QSpec(fmt, gran, dynamic=True)
+    x = _nasty((3, 5, 7), dtype, seed=1)
+    bs = gran.block_size(x.shape)
+    got = spec.kind.current_qparams(spec, x, bs)
+    observed = spec.kind.qparams_from_range(spec, *q.CurrentMinMaxObserver().observe(x, bs, None, _unused), x.dtype)
+    assert got.keys() == observed.keys() == {"scale"}
+    assert torch.equal(got["scale"], observed["scale"])
+    assert torch.equal(got["scale"], (_abs_max_by_loop(x, bs) / fmt.fmax).clamp(min=torch.finfo(torch.float32).tiny))
+
+
+def test_a_dynamic_fp8_point_exports_one_reduction_and_no_casts():
+    """The dynamic scale's ops are traced into every exported program once
+    per point (they dominated the export time of fp8 models): |x|, the
+    finite mask, one amax, the division and the floor."""
+    fq = q.FakeQuantize(q.QSpec(q.FP8_E4M3, q.PerTensor(), dynamic=True))
+    ep = torch.export.export(fq, (torch.randn(4, 16),))
+    targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
+    aten = torch.ops.aten
+    assert aten.amin.default not in targets and targets.count(aten.amax.default) == 1
+    unwanted = {aten.to.dtype, aten._assert_tensor_metadata.default, aten.reshape.default, aten.detach.default}
+    assert not unwanted & set(targets)
+    x = _nasty((4, 16), torch.float32, seed=2)
+    torch.testing.assert_close(ep.module()(x), fq(x), rtol=0, atol=0, equal_nan=True)

@@ -114,6 +114,12 @@ def _match(gm, bn):
     return conv, scaled, weight, bias
 
 
+def has_conv_bn(gm: torch.fx.GraphModule) -> bool:
+    """Whether the graph holds a QAT conv-bn pattern that fold_conv_bn would
+    fold (or refuse, in training mode); reads the graph only."""
+    return any(_is_call(bn, aten.batch_norm.default) and _match(gm, bn) is not None for bn in gm.graph.nodes)
+
+
 def fold_conv_bn(gm: torch.fx.GraphModule) -> int:
     """Folds, in place, every QAT conv-bn pattern of an eval-mode graph (see
     the module docstring) and returns how many it folded. A pattern whose

@@ -21,7 +21,7 @@ from ..formats import FloatFormat
 from ..inputs import as_args
 from ..op_call import decode_node, is_fake_quant_node, program_constants
 from ..report import check_finite_qparams
-from .program import exported_program
+from .program import exported_program, no_new_stack_traces
 
 # The lowest opset the translation targets: int4, int16 and blocked Q/DQ
 # arrived in opset 21.
@@ -157,22 +157,25 @@ def to_onnx(
     """
     require_onnx()
     from .onnx_qdq import translation_table
+    from .onnx_scale import fused_scales
 
     _check_opset(opset)
     check_writable(path)  # before the export's work
-    ep = exported_program(model, example_inputs, dynamic_shapes=dynamic_shapes, fold_bn=fold_bn)
+    with fused_scales():  # a dynamic FP8 point's scale as one node (onnx_scale.py)
+        ep = exported_program(model, example_inputs, dynamic_shapes=dynamic_shapes, fold_bn=fold_bn)
     check_finite_qparams(ep, "to_onnx")
     _check_exportable(ep)
     points: list = []
-    program = torch.onnx.export(
-        ep,
-        as_args(example_inputs),
-        dynamo=True,
-        opset_version=opset,
-        custom_translation_table=translation_table(program_constants(ep), points),
-        verbose=False,
-        optimize=False,
-    )
+    with no_new_stack_traces():  # the decomposition retraces the program (see no_new_stack_traces)
+        program = torch.onnx.export(
+            ep,
+            as_args(example_inputs),
+            dynamo=True,
+            opset_version=opset,
+            custom_translation_table=translation_table(program_constants(ep), points),
+            verbose=False,
+            optimize=False,
+        )
     _optimize(program.model)
     # Where each point's Q/DQ subgraph starts and ends, for check_onnx (and
     # anyone reading the file): the names the values have in the file.

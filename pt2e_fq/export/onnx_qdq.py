@@ -172,13 +172,16 @@ def _mx_scales(xf, p: Point, axis: int, block: int, emax: int):
         pads = [0] * (2 * len(p.x_shape))
         pads[len(p.x_shape) + axis] = nblocks * block - size
         a = op.Pad(a, constant(np.array(pads, np.int64)))
-    shape = op.Shape(a)
-    split = op.Concat(
-        op.Slice(shape, constant(np.array([0], np.int64)), constant(np.array([axis], np.int64))),
-        constant(np.array([nblocks, block], np.int64)),
-        op.Slice(shape, constant(np.array([axis + 1], np.int64)), constant(np.array([len(p.x_shape)], np.int64))),
-        axis=0,
-    )
+    if None in p.x_shape:  # a symbolic dim: the block shape from x's shape at run time
+        shape = op.Shape(a)
+        split = op.Concat(
+            op.Slice(shape, constant(np.array([0], np.int64)), constant(np.array([axis], np.int64))),
+            constant(np.array([nblocks, block], np.int64)),
+            op.Slice(shape, constant(np.array([axis + 1], np.int64)), constant(np.array([len(p.x_shape)], np.int64))),
+            axis=0,
+        )
+    else:  # what the exporter's constant folding would make of the above, without the work
+        split = constant(np.array(p.x_shape[:axis] + [nblocks, block] + p.x_shape[axis + 1:], np.int64))
     blocks = op.Reshape(a, split)
     within = constant(np.array([axis + 1], np.int64))
     amax = op.ReduceMax(blocks, within, keepdims=0)
@@ -240,7 +243,10 @@ def translation_table(constants: Mapping[str, torch.Tensor], points: list) -> di
     placeholder names to their tensors (parameters, buffers, constants).
     Each translation appends to `points` its (input, input's consumers,
     output) ONNX values, input None where x was a constant stored as codes."""
+    from .onnx_scale import translate_float_scale
+
     return {
+        torch.ops.pt2e_fq_onnx.float_scale.default: translate_float_scale,
         pt2e_fq_ops.fake_quantize_affine.default: _affine(constants, points),
         pt2e_fq_ops.fake_quantize_float.default: _float(constants, points),
         pt2e_fq_ops.fake_quantize_mx.default: _mx(constants, points),

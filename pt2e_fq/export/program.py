@@ -7,14 +7,15 @@ torch.export, after folding its QAT conv-bn patterns (bn_fold.py) unless
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
 from ..fake_quantize import FakeQuantize
 from ..inputs import as_args
-from .bn_fold import fold_conv_bn
+from .bn_fold import fold_conv_bn, has_conv_bn
 
 
 def _check_converted(model: torch.nn.Module) -> None:
@@ -24,6 +25,24 @@ def _check_converted(model: torch.nn.Module) -> None:
             f"{len(live)} fake-quant point(s) are not converted (first: {live[0]}); run "
             "torchao's convert_pt2e(model) before exporting, so that no observer runs in the exported graph"
         )
+
+
+@contextlib.contextmanager
+def no_new_stack_traces(enabled: bool = True) -> Iterator[None]:
+    """While tracing a GraphModule, torch gives each new node the stack
+    trace of the node it comes from; a node without one (everything a
+    FakeQuantize module's forward traces to) gets a Python traceback of the
+    tracer itself, captured and symbolized node by node: a tenth of an
+    export's time, for a trace through torch and pt2e_fq internals that
+    tells the user nothing. Inside this block torch captures none
+    (torch.fx.config.do_not_emit_stack_traces); the stack traces that come
+    from the model's own graph are kept."""
+    previous = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = enabled or previous
+    try:
+        yield
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = previous
 
 
 def exported_program(
@@ -39,23 +58,28 @@ def exported_program(
         if not fold_bn:
             return model_or_program
         module = model_or_program.module()  # a fresh GraphModule: folding it leaves the program alone
+        fold_conv_bn(module)
     elif isinstance(model_or_program, torch.nn.Module):
         _check_converted(model_or_program)
         module = model_or_program
-        if fold_bn and isinstance(module, torch.fx.GraphModule):
+        # Folded in a copy, made only where there is something to fold (a deep
+        # copy of a large graph costs a few tenths of a second).
+        if fold_bn and isinstance(module, torch.fx.GraphModule) and has_conv_bn(module):
             module = copy.deepcopy(module)
+            fold_conv_bn(module)
     else:
         raise TypeError(
             "model_or_program must be a torch.nn.Module or a torch.export.ExportedProgram, "
             f"got {type(model_or_program).__name__}"
         )
-    if fold_bn and isinstance(module, torch.fx.GraphModule):
-        fold_conv_bn(module)
     # Every fake-quant op returns a packed mask of ceil(numel / 8) bytes. When
     # export records that tensor's metadata, torch asks whether its size is
     # below 2 and, on a dynamic batch, guards on the answer at the example's
     # size: with 4 elements a row, (7 + 4*batch)//8 >= 2 refuses batch 1 and 2
     # (the float program takes them). Size-oblivious reasoning answers such
     # questions without a guard, so the program runs at every batch size.
-    with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+    # A plain module has no graph whose stack traces the nodes could inherit: there the
+    # traceback is the only pointer to the user's source, and it is kept.
+    graph_input = isinstance(module, torch.fx.GraphModule)
+    with torch.fx.experimental._config.patch(backed_size_oblivious=True), no_new_stack_traces(graph_input):
         return torch.export.export(module, args, dynamic_shapes=dynamic_shapes)
