@@ -64,17 +64,18 @@ def _model():
     return model
 
 
-def _w8a8(fuse: bool) -> QuantizerConfig:
+def _w8a8(fuse: bool, qat: bool = False) -> QuantizerConfig:
     # every_point: the presets leave adds float, so only a layout that
     # quantizes adds and conv outputs has a conv-add unit to fuse.
-    return presets.every_point("w8a8").set_fuse_conv_add(fuse)
+    return presets.every_point("w8a8", qat=qat).set_fuse_conv_add(fuse)
 
 
 def _converted(fuse: bool, qat_steps: int = 0):
     """PTQ, or QAT (conv-bn fused by prepare_qat_pt2e, folded at export) for qat_steps steps."""
     batches = [(batch(s, SHAPE),) for s in range(4)]
     model = _model().train() if qat_steps else _model()
-    return pipeline.quantize(model, batches[0], _w8a8(fuse), calibration=batches, qat_steps=qat_steps,
+    config = _w8a8(fuse, qat=qat_steps > 0)
+    return pipeline.quantize(model, batches[0], config, calibration=batches, qat_steps=qat_steps,
                              progress=False)
 
 
