@@ -8,7 +8,7 @@ ceil(x.shape / block_size); a last block shorter than the others is allowed.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -90,6 +90,16 @@ def check_qparam(
             f"{op}: {name} must have shape {tuple(expected)} "
             f"({what}; size-1 dimensions may be omitted), got {tuple(t.shape)}"
         )
+
+
+def whole_dims(shape: Sequence[int], block_size: Sequence[int]) -> Optional[list[int]]:
+    """The dims that blocks span whole, where every other block size is 1
+    (per-tensor, per-channel, per-token): such blocks reduce over those dims
+    in place, without a reshape. None otherwise. Sizes are compared only
+    where statically known, so a dynamic batch gets no guard."""
+    whole = [d for d, (s, b) in enumerate(zip(shape, block_size)) if statically_known_true(b >= s)]
+    ones = [d for d, b in enumerate(block_size) if statically_known_true(b == 1)]
+    return whole if whole and len(set(whole) | set(ones)) == len(shape) else None
 
 
 def reduce_blocks(x: torch.Tensor, block_size: Sequence[int], reduce, pad_value: float) -> torch.Tensor:

@@ -22,9 +22,7 @@ from dataclasses import dataclass
 from typing import Callable, ClassVar, Optional, Sequence
 
 import torch
-from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-from .blocks import expand_blocks, reduce_blocks
+from .blocks import expand_blocks, reduce_blocks, whole_dims
 
 Range = tuple[torch.Tensor, torch.Tensor]
 # (lo, hi) -> x fake-quantized with the qparams of that range.
@@ -56,14 +54,11 @@ def block_abs_max(x: torch.Tensor, block_size: Sequence[int]) -> torch.Tensor:
     read as [0, 0], bit for bit (|x| is exact, and a maximum does not round),
     in half the ops. Every value reduced is >= +0, so neither the order of the
     reduction nor a padding 0 can change the result; blocks that span whole
-    dimensions (per-tensor, per-channel, per-token) are reduced over those
-    dimensions in place, without a reshape. Sizes are compared only where
-    statically known, so a dynamic batch gets no guard."""
+    dimensions are reduced over those dimensions in place (blocks.whole_dims)."""
     a = x.abs()
     a = torch.where(a < math.inf, a, 0.0)  # |x| < inf: x is finite (False for NaN); fewer ops than isfinite
-    whole = [d for d, (s, b) in enumerate(zip(a.shape, block_size)) if statically_known_true(b >= s)]
-    ones = [d for d, b in enumerate(block_size) if statically_known_true(b == 1)]
-    if whole and len(set(whole) | set(ones)) == a.dim() and a.numel() > 0:
+    whole = whole_dims(a.shape, block_size)
+    if whole is not None and a.numel() > 0:
         return fp32(torch.amax(a, dim=whole, keepdim=True))
     return fp32(reduce_blocks(a, block_size, torch.amax, 0.0))
 
@@ -71,6 +66,18 @@ def block_abs_max(x: torch.Tensor, block_size: Sequence[int]) -> torch.Tensor:
 def is_empty(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     """Per block: True where the range holds no finite value (lo > hi)."""
     return lo > hi
+
+
+def _check_count(observer, name: str) -> None:
+    v = getattr(observer, name)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"{type(observer).__name__}: {name} must be an int >= 1, got {v!r}")
+
+
+def _check_fraction(observer, name: str) -> None:
+    v = getattr(observer, name)
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= 1:
+        raise ValueError(f"{type(observer).__name__}: {name} must be in (0, 1], got {v!r}")
 
 
 class Observer:
@@ -152,9 +159,7 @@ class MovingAverageMinMaxObserver(RangeObserver):
     averaging_constant: float = 0.01
 
     def __post_init__(self):
-        c = self.averaging_constant
-        if not isinstance(c, (int, float)) or isinstance(c, bool) or not 0 < c <= 1:
-            raise ValueError(f"MovingAverageMinMaxObserver: averaging_constant must be in (0, 1], got {c!r}")
+        _check_fraction(self, "averaging_constant")
 
     def update(self, running, batch):
         lo, hi = batch
@@ -186,11 +191,8 @@ class MSEObserver(Observer):
     min_fraction: float = 0.2
 
     def __post_init__(self):
-        n, f = self.num_candidates, self.min_fraction
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"MSEObserver: num_candidates must be an int >= 1, got {n!r}")
-        if not isinstance(f, (int, float)) or isinstance(f, bool) or not 0 < f <= 1:
-            raise ValueError(f"MSEObserver: min_fraction must be in (0, 1], got {f!r}")
+        _check_count(self, "num_candidates")
+        _check_fraction(self, "min_fraction")
 
     def fractions(self) -> list[float]:
         n = self.num_candidates
@@ -242,16 +244,11 @@ class HistogramObserver(RangeObserver):
     keeps_histogram: ClassVar[bool] = True
 
     def __post_init__(self):
-        for name, low in (("bins", 1), ("num_candidates", 1), ("samples_per_bin", 1)):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < low:
-                raise ValueError(f"HistogramObserver: {name} must be an int >= {low}, got {v!r}")
-        f = self.min_fraction
-        if not isinstance(f, (int, float)) or isinstance(f, bool) or not 0 < f <= 1:
-            raise ValueError(f"HistogramObserver: min_fraction must be in (0, 1], got {f!r}")
+        for name in ("bins", "num_candidates", "samples_per_bin"):
+            _check_count(self, name)
+        _check_fraction(self, "min_fraction")
 
-    def update(self, running, batch):
-        return torch.minimum(running[0], batch[0]), torch.maximum(running[1], batch[1])
+    update = MinMaxObserver.update  # the running range is MinMax's
 
     def _bin_of(self, values: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
         """The bin of each value in [lo, hi] (broadcast), clamped to the ends;

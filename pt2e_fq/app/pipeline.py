@@ -166,7 +166,7 @@ def _warn_histogram_in_qat(prepared: torch.nn.Module) -> None:
     """A HistogramObserver searches its range at every observed step: in QAT
     (observers on while training) that costs more than the step."""
     names = [name for name, m in prepared.named_modules()
-             if isinstance(m, FakeQuantize) and m._observer.keeps_histogram]
+             if isinstance(m, FakeQuantize) and m.qspec.observer_or_default.keeps_histogram]
     if names:
         warnings.warn(
             f"prepare(qat=True): {len(names)} point(s) calibrate with HistogramObserver ({', '.join(names[:3])}"

@@ -24,9 +24,9 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 from onnxscript import opset21 as op
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import format_kinds
+from ..blocks import whole_dims
 from ..observers import block_abs_max
 from ..qparams import FLOAT_SCALE_TINY, float_scale_from_amax
 from .onnx_layout import constant
@@ -44,20 +44,10 @@ def _(x, dims, fmax):
     return x.new_empty([1 if d in dims else s for d, s in enumerate(x.shape)], dtype=torch.float32)
 
 
-def _whole_dims(x: torch.Tensor, block_size) -> Optional[list[int]]:
-    """The dims the blocks span whole, where every other block size is 1
-    (statically known: no guard on a dynamic batch); None otherwise."""
-    whole = [d for d, (s, b) in enumerate(zip(x.shape, block_size)) if statically_known_true(b >= s)]
-    ones = [d for d, b in enumerate(block_size) if statically_known_true(b == 1)]
-    if not whole or len(set(whole) | set(ones)) != x.dim():
-        return None
-    return whole
-
-
 def _fused(x: torch.Tensor, block_size, fmax: float) -> Optional[torch.Tensor]:
     if x.dtype != torch.float32:
         return None
-    dims = _whole_dims(x, block_size)
+    dims = whole_dims(x.shape, block_size)
     return None if dims is None else torch.ops.pt2e_fq_onnx.float_scale(x, dims, float(fmax))
 
 
