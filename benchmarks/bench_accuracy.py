@@ -7,10 +7,11 @@ PTQ table, one row per model and preset: our quantizer through the
 pipeline (export, prepare_pt2e, calibration on the zoo's calibration
 batches, pipeline.convert), the SQNR of the converted model's outputs
 against the float model's on held-out batches; beside it the SQNR of
-torchao's stock XNNPACKQuantizer and X86InductorQuantizer (default int8
-configs, same weights, same calibration batches; pt2e_fq/app/accuracy.py);
+torchao's stock XNNPACKQuantizer and X86InductorQuantizer (their int8
+configs, same weights, same calibration batches; for a 4-bit preset the
+same configs with int4 per-channel weights; pt2e_fq/app/accuracy.py);
 `vs stock` gives an integer preset's SQNR gap to the better stock quantizer
-with its standard error over the held-out batches (accuracy.sqnr_gap),
+of its weight width with its standard error over the held-out batches (accuracy.sqnr_gap),
 "below" past two standard errors, and marks an fp8 preset below w8a8
 (issue 17.1's goal). Then the seconds of each stage:
 torch.export, prepare_pt2e, calibration, pipeline.convert, torchao's
@@ -54,7 +55,7 @@ from tqdm import tqdm
 
 import pt2e_fq
 from pt2e_fq.app import pipeline, zoo
-from pt2e_fq.app.accuracy import STOCK_QUANTIZERS, outputs, sqnr_db, sqnr_gap, stock_quantize
+from pt2e_fq.app.accuracy import STOCK_QUANTIZERS, outputs, sqnr_db, sqnr_gap, stock_quantize, stock_weight_bits
 from pt2e_fq.app.step_time import step_times
 from pt2e_fq.export import check_onnx, to_onnx
 from quantizers import presets
@@ -135,15 +136,24 @@ def qat_row(entry: zoo.ZooEntry, qat_steps: int, timing_steps: int, repeats: int
             f"{sqnr_db(outputs(model, entry.held_out), ours):.1f}", "yes" if deterministic else "NO"]
 
 
+def _stock_bits(preset: str) -> int:
+    """The weight width of the stock flows preset `preset` is measured
+    against (float presets: the int8 flows, shown for reference)."""
+    return stock_weight_bits(presets.get_preset(preset)) if preset in INTEGER_PRESETS else 8
+
+
 def _marks(rows: list, stock: dict, reference: torch.Tensor, batches: int) -> None:
     """The `vs stock` column: an integer preset's SQNR gap to the better stock
-    quantizer with its standard error (accuracy.sqnr_gap), flagged "below"
-    past two standard errors; fp8 below w8a8."""
+    quantizer of its weight width with its standard error
+    (accuracy.sqnr_gap), flagged "below" past two standard errors; fp8
+    below w8a8."""
     by_preset = {r["preset"]: r for r in rows}
-    best = max(stock, key=lambda q: sqnr_db(reference, stock[q]), default=None)
     for r in rows:
+        bits = _stock_bits(r["preset"])
+        ran = [q for q in STOCK_QUANTIZERS if (q, bits) in stock]
+        best = max(ran, key=lambda q: sqnr_db(reference, stock[q, bits]), default=None)
         if r["preset"] in INTEGER_PRESETS and best is not None:
-            gap, error = sqnr_gap(reference, r["outputs"], stock[best], batches)
+            gap, error = sqnr_gap(reference, r["outputs"], stock[best, bits], batches)
             r["mark"] = f"{gap:+.1f} ± {error:.1f}" + (" below" if gap < -2 * error else "")
         elif r["preset"] == "fp8" and "w8a8" in by_preset and r["sqnr"] < by_preset["w8a8"]["sqnr"]:
             r["mark"] = f"below w8a8 by {by_preset['w8a8']['sqnr'] - r['sqnr']:.1f} dB"
@@ -181,18 +191,20 @@ def main() -> None:
     ptq_rows, qat_rows = [], []
     with tempfile.TemporaryDirectory() as folder:
         ptq_models = args.models if "ptq" in args.tables else ()
-        bar = tqdm(total=len(ptq_models) * (len(args.presets) + len(STOCK_QUANTIZERS)), desc="PTQ", unit="run")
+        widths = sorted({_stock_bits(p) for p in args.presets}, reverse=True)
+        stock_runs = [(q, bits) for bits in widths for q in STOCK_QUANTIZERS]
+        bar = tqdm(total=len(ptq_models) * (len(args.presets) + len(stock_runs)), desc="PTQ", unit="run")
         for name in ptq_models:
             entry = zoo.build(name)
             reference = outputs(entry.model, entry.held_out)
             stock = {}
-            for q in STOCK_QUANTIZERS:
-                bar.set_postfix_str(f"{name} {q}")
+            for q, bits in stock_runs:
+                bar.set_postfix_str(f"{name} {q} int{bits}")
                 try:
-                    stock[q] = outputs(stock_quantize(entry.model, entry.example, entry.calibration, q),
-                                       entry.held_out)
+                    stock[q, bits] = outputs(stock_quantize(entry.model, entry.example, entry.calibration, q, bits),
+                                             entry.held_out)
                 except Exception as e:  # noqa: BLE001  (a stock flow that fails on a model is reported)
-                    tqdm.write(f"{name}: {q} {_failed(e)}")
+                    tqdm.write(f"{name}: {q} int{bits} {_failed(e)}")
                 bar.update(1)
             rows = []
             for preset in args.presets:
@@ -203,8 +215,8 @@ def main() -> None:
             _marks(rows, stock, reference, len(entry.held_out))
             for r in rows:
                 ptq_rows.append([name, r["preset"], f"{r['sqnr']:.1f}",
-                                 *(f"{sqnr_db(reference, stock[q]):.1f}" if q in stock else "failed"
-                                   for q in STOCK_QUANTIZERS),
+                                 *(f"{sqnr_db(reference, stock[q, bits]):.1f}" if (q, bits) in stock else "failed"
+                                   for bits in [_stock_bits(r["preset"])] for q in STOCK_QUANTIZERS),
                                  r.get("mark", ""), *(r.get(s, "") for s in STAGES)])
                 tqdm.write(" | ".join(ptq_rows[-1]))
         bar.close()
@@ -216,6 +228,7 @@ def main() -> None:
     if ptq_rows:
         print(f"PTQ: SQNR (dB) of the converted model's outputs against float on {zoo.HELD_OUT_BATCHES} held-out "
               f"batches; {zoo.CALIBRATION_BATCHES} calibration batches; stage times in seconds")
+        print("XNNPACK, X86: the stock flow at the preset's weight width (int4 for a 4-bit preset, int8 otherwise)")
         print(tabulate(ptq_rows, headers=["model", "preset", "SQNR", "XNNPACK", "X86", "vs stock",
                                           *[f"{s} s" for s in STAGES]], disable_numparse=True))
     if not qat_rows:

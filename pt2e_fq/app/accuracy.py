@@ -22,50 +22,86 @@ The stock flows are torchao's own, with their default configs:
 (uint8 activations, int8 per-channel weights) and torchao's copy of
 `XNNPACKQuantizer` with `get_symmetric_quantization_config(is_per_channel=True)`
 (ExecuTorch's class, the same code; torchao's needs no executorch), then
-torchao's `convert_pt2e` (real q/dq).
+torchao's `convert_pt2e` (real q/dq). A 4-bit preset is measured against the
+same flows with 4-bit weights (`weight_bits=4`): int4 per channel, the range
+-8..7 in the int8 dtype (neither config has a 4-bit dtype; XNNPACK's takes
+`weight_qmin` / `weight_qmax`, which is how ExecuTorch asks it for int4, and
+X86's weight spec gets the same range), activations as in the int8 configs.
+Stock configs have no 16-bit or float activations: a preset that keeps them
+(w4a16, w8a16) is measured against the stock flow of its weight width.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
+from ..formats import IntFormat
 from ..inputs import as_args
 from ..report import sqnr_db
 from . import pipeline
 
-__all__ = ["STOCK_QUANTIZERS", "float_op_types", "outputs", "sqnr_db", "sqnr_gap", "stock_quantizer", "stock_quantize"]
+__all__ = ["STOCK_QUANTIZERS", "STOCK_WEIGHT_BITS", "float_op_types", "outputs", "sqnr_db", "sqnr_gap",
+           "stock_quantizer", "stock_quantize", "stock_weight_bits"]
 
 STOCK_QUANTIZERS = ("XNNPACKQuantizer", "X86InductorQuantizer")
+# Weight widths the stock flows are run at: each weight range, in the int8 dtype.
+_STOCK_WEIGHT_RANGES = {8: None, 4: (-8, 7)}  # None: the config's own int8 range
+STOCK_WEIGHT_BITS = tuple(_STOCK_WEIGHT_RANGES)
 
 
-def stock_quantizer(name: str):
-    """torchao's stock quantizer `name` (one of STOCK_QUANTIZERS) with its default int8 config."""
+def stock_quantizer(name: str, weight_bits: int = 8):
+    """torchao's stock quantizer `name` (one of STOCK_QUANTIZERS) with its
+    default int8 config, or that config with `weight_bits`-wide weights (one
+    of STOCK_WEIGHT_BITS; module doc)."""
+    if weight_bits not in _STOCK_WEIGHT_RANGES:
+        raise ValueError(f"stock_quantizer: weight_bits must be one of {STOCK_WEIGHT_BITS}, got {weight_bits!r}")
+    weight_range = _STOCK_WEIGHT_RANGES[weight_bits]
     if name == "XNNPACKQuantizer":
         from torchao.testing.pt2e._xnnpack_quantizer import XNNPACKQuantizer, get_symmetric_quantization_config
 
-        return XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_per_channel=True))
+        qmin, qmax = weight_range or (-127, 127)  # the function's defaults
+        config = get_symmetric_quantization_config(is_per_channel=True, weight_qmin=qmin, weight_qmax=qmax)
+        return XNNPACKQuantizer().set_global(config)
     if name == "X86InductorQuantizer":
         from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
             X86InductorQuantizer,
             get_default_x86_inductor_quantization_config,
         )
 
-        return X86InductorQuantizer().set_global(get_default_x86_inductor_quantization_config())
+        config = get_default_x86_inductor_quantization_config()
+        if weight_range is not None:
+            weight = dataclasses.replace(config.weight, quant_min=weight_range[0], quant_max=weight_range[1])
+            config = dataclasses.replace(config, weight=weight)
+        return X86InductorQuantizer().set_global(config)
     raise ValueError(f"stock_quantizer: unknown quantizer {name!r}; allowed: {', '.join(STOCK_QUANTIZERS)}")
 
 
-def stock_prepare(model: torch.nn.Module, example_inputs, name: str) -> torch.fx.GraphModule:
+def stock_weight_bits(config) -> int:
+    """The weight width of the stock flows an integer preset's QuantizerConfig
+    is measured against: that of its global weights (one of STOCK_WEIGHT_BITS)."""
+    fmt = config.global_config.weight.format
+    bits = fmt.bits if isinstance(fmt, IntFormat) else None
+    if bits not in _STOCK_WEIGHT_RANGES:
+        raise ValueError(f"stock_weight_bits: the config's weights are {fmt}; the stock flows run with "
+                         f"{', '.join(f'int{b}' for b in STOCK_WEIGHT_BITS)} weights")
+    return bits
+
+
+def stock_prepare(model: torch.nn.Module, example_inputs, name: str, weight_bits: int = 8) -> torch.fx.GraphModule:
     """The stock flow's export (eval mode, a dynamic batch as ours) and prepare_pt2e."""
-    return prepare_pt2e(pipeline.export(model.eval(), example_inputs), stock_quantizer(name))
+    return prepare_pt2e(pipeline.export(model.eval(), example_inputs), stock_quantizer(name, weight_bits))
 
 
-def stock_quantize(model: torch.nn.Module, example_inputs, calibration, name: str) -> torch.fx.GraphModule:
-    """PTQ of `model` with torchao's stock quantizer `name`: export,
-    prepare_pt2e, calibration on `calibration` (batches), convert_pt2e."""
-    prepared = stock_prepare(model, example_inputs, name)
+def stock_quantize(model: torch.nn.Module, example_inputs, calibration, name: str,
+                   weight_bits: int = 8) -> torch.fx.GraphModule:
+    """PTQ of `model` with torchao's stock quantizer `name` (weights
+    `weight_bits` wide): export, prepare_pt2e, calibration on `calibration`
+    (batches), convert_pt2e."""
+    prepared = stock_prepare(model, example_inputs, name, weight_bits)
     pipeline.calibrate(prepared, calibration, progress=False)
     return convert_pt2e(prepared)
 
