@@ -73,6 +73,7 @@ from pt2e_fq.app import pipeline
 from pt2e_fq.app.accuracy import (
     STOCK_QUANTIZERS,
     float_op_types,
+    on_stock_coverage,
     outputs,
     sqnr_db,
     sqnr_gap,
@@ -214,9 +215,7 @@ class Suite:
         types left float (to compare with a stock quantizer on its coverage)."""
         key = (name, preset, tuple(float_op_types))
         if key not in self.ptq_results:
-            e, config = self.entry(name), presets.get_preset(preset)
-            for op_type in float_op_types:
-                config.set_operator_type(op_type, None)
+            e, config = self.entry(name), on_stock_coverage(preset, float_op_types)
             converted = pipeline.quantize(e.model, e.example, config, calibration=e.calibration, progress=False)
             tag = "_".join(("ptq",) + tuple(float_op_types))
             keep = (name, preset) in ONNX_CASES and not float_op_types

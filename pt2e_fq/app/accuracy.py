@@ -39,12 +39,15 @@ import math
 import torch
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
+from quantizers import QuantizerConfig, presets
+
 from ..formats import IntFormat
 from ..inputs import as_args
 from ..report import sqnr_db
 from . import pipeline
 
-__all__ = ["STOCK_QUANTIZERS", "STOCK_WEIGHT_BITS", "float_op_types", "outputs", "sqnr_db", "sqnr_gap",
+__all__ = ["STOCK_QUANTIZERS", "STOCK_WEIGHT_BITS", "float_op_types", "on_stock_coverage", "outputs", "sqnr_db",
+           "sqnr_gap",
            "stock_quantizer", "stock_quantize", "stock_weight_bits"]
 
 STOCK_QUANTIZERS = ("XNNPACKQuantizer", "X86InductorQuantizer")
@@ -131,6 +134,16 @@ def sqnr_gap(reference: torch.Tensor, ours: torch.Tensor, theirs: torch.Tensor, 
 # float (X86InductorQuantizer annotates linear, not the addmm of
 # transformers' Conv1D: GPT-2's 8 projections), by the aten op they export to.
 _WEIGHTED_OP_TYPES = {"addmm": torch.ops.aten.addmm.default, "einsum": torch.ops.aten.einsum.default}
+
+
+def on_stock_coverage(preset: str, float_op_types) -> QuantizerConfig:
+    """Preset `preset`'s config with the op types `float_op_types` (from
+    float_op_types of a converted stock model) left float: ours on the stock
+    quantizer's coverage, the parity comparison."""
+    config = presets.get_preset(preset)
+    for op_type in float_op_types:
+        config.set_operator_type(op_type, None)
+    return config
 
 
 def float_op_types(stock: torch.fx.GraphModule) -> list[str]:
