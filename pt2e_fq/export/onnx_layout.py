@@ -180,6 +180,10 @@ class Point:
         """A tensor of the scale's (layout) shape full of `value`."""
         if self.scale_shape is not None:
             return constant(np.full(self.scale_shape, value, qtype.numpy))
+        if qtype.min is None:
+            # ONNX's Expand takes FP8 but ONNX Runtime's has no FP8 kernel
+            # (the session refuses the file): expand in float32, then cast.
+            return op.Cast(op.Expand(constant(np.array(value, np.float32)), op.Shape(self.scale)), to=qtype.onnx)
         return op.Expand(constant(np.array(value, qtype.numpy)), op.Shape(self.scale))
 
     def quantize(self, x, zero_point):
