@@ -132,8 +132,11 @@ def sqnr_gap(reference: torch.Tensor, ours: torch.Tensor, theirs: torch.Tensor, 
 
 # Op types our presets quantize whose weights a stock quantizer may leave
 # float (X86InductorQuantizer annotates linear, not the addmm of
-# transformers' Conv1D: GPT-2's 8 projections), by the aten op they export to.
-_WEIGHTED_OP_TYPES = {"addmm": torch.ops.aten.addmm.default, "einsum": torch.ops.aten.einsum.default}
+# transformers' Conv1D: GPT-2's 8 projections; neither stock quantizer
+# quantizes an embedding table, which the weight-only presets do for
+# memory), by the aten op they export to.
+_WEIGHTED_OP_TYPES = {"addmm": torch.ops.aten.addmm.default, "einsum": torch.ops.aten.einsum.default,
+                      "embedding": torch.ops.aten.embedding.default}
 
 
 def on_stock_coverage(preset: str, float_op_types) -> QuantizerConfig:
