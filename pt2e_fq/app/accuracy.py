@@ -47,8 +47,7 @@ from ..report import sqnr_db
 from . import pipeline
 
 __all__ = ["STOCK_QUANTIZERS", "STOCK_WEIGHT_BITS", "float_op_types", "on_stock_coverage", "outputs", "sqnr_db",
-           "sqnr_gap",
-           "stock_quantizer", "stock_quantize", "stock_weight_bits"]
+           "sqnr_gap", "stock_quantizer", "stock_quantize", "stock_weight_bits"]
 
 STOCK_QUANTIZERS = ("XNNPACKQuantizer", "X86InductorQuantizer")
 # Weight widths the stock flows are run at: each weight range, in the int8 dtype.
