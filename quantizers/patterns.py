@@ -92,7 +92,7 @@ _OP_TYPE_OF = {
 # Conv weights are stored (out, in/groups, ...), conv_transpose weights
 # (in, out/groups, ...): weight granularity axes 0 and 1 are swapped for them.
 _TRANSPOSED_WEIGHT_OPS = ("conv_transpose1d", "conv_transpose2d")
-_CONV_OPS = ("conv1d", "conv2d", "conv3d", *_TRANSPOSED_WEIGHT_OPS)
+CONV_OPS = ("conv1d", "conv2d", "conv3d", *_TRANSPOSED_WEIGHT_OPS)
 
 # Activations that can be quantized together with the op before them (the
 # op's output point after the activation), by the names
@@ -285,7 +285,7 @@ def match(node: Node, activations: frozenset = _ACTIVATIONS) -> Optional[OpMatch
         return OpMatch(op_type, node, inputs, shared_inputs=True)
     if not all(is_float_tensor(a) for a, _ in inputs):
         return None
-    end, inner = _fused_output(node, allow_batch_norm=op_type in _CONV_OPS, activations=activations)
+    end, inner = _fused_output(node, allow_batch_norm=op_type in CONV_OPS, activations=activations)
     return OpMatch(op_type, node, inputs, output=end, inner=inner, weight_transposed=transposed)
 
 

@@ -19,16 +19,17 @@ granularity (docs/fake_quantize.md, trap 1).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from torch.fx import GraphModule, Node
 
-from pt2e_fq import PerBlock, PerChannel, PerGroup, PerTensor, QSpec
+from pt2e_fq import IntFormat, PerBlock, PerChannel, PerGroup, PerTensor, QSpec
 from pt2e_fq.report import float_weight_ops
 
 from .config import OpConfig, QuantizerConfig
-from .patterns import AVERAGING_POOLS, WEIGHT, OpMatch, activation_ops, match, passes_grid, residual_add
+from .patterns import AVERAGING_POOLS, CONV_OPS, WEIGHT, OpMatch, activation_ops, match, passes_grid, residual_add
 
 EdgeOrNode = Union[Node, tuple[Node, Node]]
 
@@ -124,6 +125,39 @@ def _swap_axes_0_1(spec: QSpec) -> QSpec:
     return dataclasses.replace(spec, granularity=g)
 
 
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
+def _conv_weight_groups(spec: QSpec, weight: Node, in_axis: int) -> QSpec:
+    """An integer PerGroup along a conv weight's input-channel axis that is
+    longer than that axis: the group also spans kernel positions, last
+    spatial dim first, up to group_size elements (every block the same
+    shape, so a spatial dim contributes the largest divisor of its size that
+    fits). Without it a group is one filter's input channels at a single
+    kernel position: a depthwise (C, 1, k, k) weight would have one scale
+    per element (exact, so a 4-bit preset's conv layers would stay float in
+    effect), a stem conv (C, 3, k, k) groups of 3 instead of 32."""
+    g = spec.granularity
+    val = weight.meta.get("val")
+    if not (isinstance(spec.format, IntFormat) and isinstance(g, PerGroup) and val is not None and val.dim() >= 3):
+        return spec
+    shape = val.shape
+    if g.axis % len(shape) != in_axis or not all(isinstance(d, int) for d in shape):
+        return spec
+    positions = g.group_size // shape[in_axis]
+    if positions < 2:
+        return spec
+    block = [1] * len(shape)
+    block[in_axis] = shape[in_axis]
+    for d in reversed(range(2, len(shape))):
+        block[d] = _largest_divisor_at_most(shape[d], positions)
+        positions //= block[d]
+    if math.prod(block) == shape[in_axis]:
+        return spec
+    return dataclasses.replace(spec, granularity=PerBlock(tuple(block)))
+
+
 def _only_model_output(node: Node) -> bool:
     """Every reader of the node, seen through pass-through ops, is the graph's output."""
     return bool(node.users) and all(u.op == "output" or (passes_grid(u) and _only_model_output(u))
@@ -182,6 +216,8 @@ class _Walk:
             spec = None if self.float_inputs.get(m.node) is arg else getattr(cfg, role)
             if spec is not None and role == WEIGHT and m.weight_transposed:
                 spec = _swap_axes_0_1(spec)
+            if spec is not None and role == WEIGHT and m.op_type in CONV_OPS:
+                spec = _conv_weight_groups(spec, arg, in_axis=0 if m.weight_transposed else 1)
             p = PlannedInput(arg, role, spec)
             planned.inputs.append(p)
             if spec is not None:
