@@ -37,6 +37,7 @@ from .qparams import (
     float_scale_from_amax,
     int_range_limit,
     minval_qparams,
+    symmetric_no_clip_qparams,
     symmetric_qparams,
     two_level_global_scale,
 )
@@ -201,6 +202,16 @@ def _float_symmetric_only(spec) -> None:
         )
 
 
+# The ZP formulation's qparams per scheme: the formula, and its name in the
+# fused observe op (csrc observe.h; a narrow range is only its quant_min).
+_ZP_QPARAMS = {
+    Scheme.SYMMETRIC: (symmetric_qparams, "symmetric"),
+    Scheme.SYMMETRIC_NARROW: (symmetric_qparams, "symmetric"),
+    Scheme.SYMMETRIC_NO_CLIP: (symmetric_no_clip_qparams, "symmetric_no_clip"),
+    Scheme.ASYMMETRIC: (asymmetric_qparams, "asymmetric"),
+}
+
+
 class _Integer(FormatKind):
     name, op_name = "integer", "fake_quantize_affine"
     learnable_op_name = "fake_quantize_affine_learnable"
@@ -228,8 +239,7 @@ class _Integer(FormatKind):
         if spec.formulation is Formulation.MINVAL:
             scale, minval = minval_qparams(lo, hi, qmin, qmax)
             return {"scale": scale, "minval": minval}
-        calc = asymmetric_qparams if spec.scheme is Scheme.ASYMMETRIC else symmetric_qparams
-        scale, zero_point = calc(lo, hi, qmin, qmax)
+        scale, zero_point = _ZP_QPARAMS[spec.scheme][0](lo, hi, qmin, qmax)
         return {"scale": scale, "zero_point": zero_point}
 
     def fake_quantize(self, spec, x, block_size, qparams):
@@ -245,8 +255,7 @@ class _Integer(FormatKind):
         if spec.formulation is Formulation.MINVAL:
             scheme, offset = "minval", state["minval"]
         else:
-            scheme = "asymmetric" if spec.scheme is Scheme.ASYMMETRIC else "symmetric"
-            offset = state["zero_point"]
+            scheme, offset = _ZP_QPARAMS[spec.scheme][1], state["zero_point"]
         # The op itself: FakeQuantize passes its own, shape-checked state, and
         # the op's C++ checks would still catch a mistake.
         return torch.ops.pt2e_fq.fake_quantize_affine_observe(

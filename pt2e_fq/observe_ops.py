@@ -30,7 +30,7 @@ from .ops import _call, _check_x
 
 AFFINE_OP = "pt2e_fq.fake_quantize_affine_observe"
 FLOAT_OP = "pt2e_fq.fake_quantize_float_observe"
-SCHEMES = ("symmetric", "asymmetric", "minval")
+SCHEMES = ("symmetric", "symmetric_no_clip", "asymmetric", "minval")
 _INT16_MIN, _INT16_MAX = -(2**15), 2**15 - 1
 
 
@@ -113,7 +113,7 @@ def fake_quantize_affine_observe(
     average, a block seen for the first time taking the batch's range); the
     range clamped to +-range_limit (`qparams.int_range_limit`) gives `scale`
     (fp32) and `offset`: the int32 zero point for scheme "symmetric" /
-    "asymmetric", the fp32 minval for "minval"; an empty range gives the
+    "symmetric_no_clip" / "asymmetric", the fp32 minval for "minval"; an empty range gives the
     qparams of [0, 0]. `nonfinite` (one int64) counts the NaN / Inf values
     ignored. All in place. Returns (y, packed mask) of
     `fake_quantize_affine` on the new qparams; the gradient reaches x

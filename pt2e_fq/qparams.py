@@ -42,6 +42,17 @@ def symmetric_qparams(lo, hi, quant_min: int, quant_max: int) -> tuple[torch.Ten
     return scale, zero_point
 
 
+def symmetric_no_clip_qparams(lo, hi, quant_min: int, quant_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The middle code as the zero point, and the smallest scale that puts
+    both ends of the range on codes: scale = max(-lo / (zp - quant_min),
+    hi / (quant_max - zp)) (torchao's SYMMETRIC_NO_CLIPPING_ERR)."""
+    middle = (quant_min + quant_max + 1) // 2
+    below = -lo.clamp(max=0) / float(middle - quant_min)
+    above = hi.clamp(min=0) / float(quant_max - middle)
+    scale = torch.maximum(below, above).clamp(min=INT_SCALE_EPS)
+    return scale, torch.full_like(scale, middle, dtype=torch.int32)
+
+
 def asymmetric_qparams(lo, hi, quant_min: int, quant_max: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The range widened to include 0 maps onto [quant_min, quant_max]; the
     integer zero point makes 0 exactly representable."""

@@ -41,8 +41,8 @@ class QSpec:
     granularity: PerTensor(), PerChannel(axis), PerGroup(size, axis),
         PerBlock(block), PerToken(). MX formats need PerGroup(32, axis),
         NVFP4 PerGroup(16, axis).
-    scheme: SYMMETRIC, SYMMETRIC_NARROW or ASYMMETRIC (integer formats);
-        float formats are SYMMETRIC.
+    scheme: SYMMETRIC, SYMMETRIC_NARROW, SYMMETRIC_NO_CLIP or ASYMMETRIC
+        (integer formats; pt2e_fq.schemes); float formats are SYMMETRIC.
     formulation: ZP or MINVAL (MINVAL: integer, ASYMMETRIC only).
     observer: how the range is found; None picks MinMaxObserver() for a
         static point and CurrentMinMaxObserver() for a dynamic one.

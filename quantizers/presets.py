@@ -3,7 +3,8 @@
 Weight granularity axes are in the (out, in, ...) layout of linear and conv
 weights (the quantizer swaps axes 0 and 1 for conv_transpose): PerChannel(0)
 is one scale per output channel, PerGroup(n, axis=1) groups n consecutive
-input channels. Weight points use CurrentMinMaxObserver: qparams follow the
+input channels (on a conv weight with fewer input channels than n, a group
+also spans kernel positions: quantizers/plan.py). Weight points use CurrentMinMaxObserver: qparams follow the
 current weights (right for PTQ and for QAT, where the weights move). Static
 integer activation points use HistogramObserver for calibration: it clips
 the outliers whose range would cost more rounding error than their
@@ -18,7 +19,7 @@ global scale) keep MinMaxObserver. Bias stays in float.
 
 | preset | weights | activations |
 | w8a8   | int8 per channel, symmetric narrow | int8 per tensor, asymmetric, static (histogram) |
-| w4a8   | int4 per group of 32, symmetric    | int8 per tensor, asymmetric, static (histogram) |
+| w4a8   | int4 per group of 32, symmetric no-clip | int8 per tensor, asymmetric, static (histogram) |
 | w4a16  | int4 per group of 32, asymmetric MINVAL | float |
 | w8a16  | int8 per group of 128, symmetric narrow | float |
 | fp8    | fp8 E4M3 per channel               | fp8 E4M3 per tensor, dynamic |
@@ -108,7 +109,8 @@ def _presets(int8_activation: QSpec) -> dict[str, QuantizerConfig]:
     fp8_act = QSpec(FP8_E4M3, PerTensor(), dynamic=True)
     return {
         "w8a8": _int_config(QSpec(INT8, PerChannel(0), "symmetric_narrow", observer=_WEIGHT_OBSERVER), int8_activation),
-        "w4a8": _int_config(QSpec(INT4, PerGroup(32, 1), "symmetric", observer=_WEIGHT_OBSERVER), int8_activation),
+        "w4a8": _int_config(QSpec(INT4, PerGroup(32, 1), "symmetric_no_clip", observer=_WEIGHT_OBSERVER),
+                            int8_activation),
         "w4a16": _int_config(QSpec(INT4, PerGroup(32, 1), "asymmetric", "minval", observer=_WEIGHT_OBSERVER)),
         "w8a16": _int_config(QSpec(INT8, PerGroup(128, 1), "symmetric_narrow", observer=_WEIGHT_OBSERVER)),
         "fp8": _int_config(QSpec(FP8_E4M3, PerChannel(0), observer=_WEIGHT_OBSERVER), fp8_act),

@@ -252,7 +252,7 @@ def test_learnable_backward_default_grad_factor_is_per_block_on_ragged_blocks(dr
 # (the harness compiles the device branch); y and the mask with the CPU
 # static op on those qparams.
 
-SCHEMES = {"symmetric": 0, "asymmetric": 1, "minval": 2}
+SCHEMES = {"symmetric": 0, "asymmetric": 1, "minval": 2, "symmetric_no_clip": 3}
 
 
 def _by_cuda_scalar(t: torch.Tensor, b: float) -> torch.Tensor:
@@ -270,6 +270,11 @@ def _cuda_affine_qparams(lo, hi, scheme, qmin, qmax, limit):
         amax = torch.maximum(-lo.clamp(max=0), hi.clamp(min=0))
         scale = _by_cuda_scalar(amax, (qmax - qmin) / 2).clamp(min=eps)
         return scale, torch.full_like(scale, (qmin + qmax + 1) // 2, dtype=torch.int32)
+    if scheme == "symmetric_no_clip":
+        middle = (qmin + qmax + 1) // 2
+        below = _by_cuda_scalar(-lo.clamp(max=0), float(middle - qmin))
+        scale = torch.maximum(below, _by_cuda_scalar(hi.clamp(min=0), float(qmax - middle))).clamp(min=eps)
+        return scale, torch.full_like(scale, middle, dtype=torch.int32)
     min_neg = lo.clamp(max=0)
     scale = _by_cuda_scalar(hi.clamp(min=0) - min_neg, float(qmax - qmin)).clamp(min=eps)
     return scale, (qmin - torch.round(min_neg / scale).to(torch.int32)).clamp(qmin, qmax)
@@ -295,7 +300,7 @@ OBSERVE_VARIANTS = [  # shape, block
 
 
 @pytest.mark.parametrize("shape,block", OBSERVE_VARIANTS, ids=str)
-@pytest.mark.parametrize("kind", ["symmetric", "asymmetric", "minval", "e4m3", "e2m1"])
+@pytest.mark.parametrize("kind", ["symmetric", "symmetric_no_clip", "asymmetric", "minval", "e4m3", "e2m1"])
 @pytest.mark.parametrize("averaging", [None, 0.25])
 @pytest.mark.parametrize("dtype,placement", [(torch.float32, "aligned"), (torch.bfloat16, "misaligned"),
                                              (torch.float16, "aligned")])
@@ -304,6 +309,8 @@ def test_observe_kernels_equal_the_observers_and_cuda_qparams(driver, tmp_path, 
     x = _observe_input(shape, dtype, seed=len(shape) + len(kind))
     if kind == "minval" or kind == "asymmetric":
         qmin, qmax = 0, 255
+    elif kind == "symmetric_no_clip":  # a signed range's sides differ by one code
+        qmin, qmax = -8, 7
     else:
         qmin, qmax = -127, 127
     # A running range from an earlier batch; block 0 never saw a finite value.

@@ -108,8 +108,8 @@ def assert_same_steps(spec, xs, device="cpu"):
 
 
 def int_specs():
-    schemes = st.sampled_from([("symmetric", "zp"), ("symmetric_narrow", "zp"), ("asymmetric", "zp"),
-                               ("asymmetric", "minval")])
+    schemes = st.sampled_from([("symmetric", "zp"), ("symmetric_narrow", "zp"), ("symmetric_no_clip", "zp"),
+                               ("asymmetric", "zp"), ("asymmetric", "minval")])
 
     @st.composite
     def build(draw):
@@ -180,7 +180,7 @@ def test_fused_steps_match_the_unfused_path_bit_for_bit(data):
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("fields", [
     dict(format=q.INT8), dict(format=q.UINT8, scheme="asymmetric"), dict(format=q.INT4, scheme="symmetric_narrow"),
-    dict(format=q.INT16, scheme="asymmetric", formulation="minval"), dict(format=q.FP8_E4M3),
+    dict(format=q.INT4, scheme="symmetric_no_clip"), dict(format=q.INT16, scheme="asymmetric", formulation="minval"), dict(format=q.FP8_E4M3),
     dict(format=q.FP4_E2M1),
 ], ids=lambda f: f"{f['format']!r}-{f.get('scheme', '')}-{f.get('formulation', '')}")
 @pytest.mark.parametrize("granularity", [q.PerTensor(), q.PerChannel(1), q.PerGroup(24, 1)], ids=repr)
@@ -309,7 +309,7 @@ def affine_args(**change):
     (dict(scale=torch.zeros(2, 3, dtype=torch.float16)), TypeError, "scale must be a torch.float32"),
     (dict(offset=torch.zeros(2, 3)), TypeError, "offset (zero_point) must be a torch.int32"),
     (dict(scheme="minval"), TypeError, "offset (minval) must be a torch.float32"),
-    (dict(scheme="affine"), ValueError, "scheme must be one of 'symmetric', 'asymmetric', 'minval'"),
+    (dict(scheme="affine"), ValueError, "scheme must be one of 'symmetric', 'symmetric_no_clip', 'asymmetric', 'minval'"),
     (dict(nonfinite=torch.zeros(2, dtype=torch.int64)), TypeError, "nonfinite must be a one-element int64"),
     (dict(quant_min=5, quant_max=5), ValueError, "quant_min < quant_max"),
     (dict(range_limit=math.inf), ValueError, "range_limit must be finite and > 0"),

@@ -80,7 +80,7 @@ def test_int_format_outside_the_op_range_is_rejected(bits, signed):
         (dict(format=q.MXFP8_E4M3, granularity=q.PerGroup(32)), "set dynamic=True"),
         (dict(granularity=q.PerToken()), "PerToken qparams exist only for the live tensor"),
         (dict(dynamic=True, observer=q.MinMaxObserver()), "observer must be None or CurrentMinMaxObserver"),
-        (dict(scheme="sym"), "scheme must be one of SYMMETRIC, SYMMETRIC_NARROW, ASYMMETRIC"),
+        (dict(scheme="sym"), "scheme must be one of SYMMETRIC, SYMMETRIC_NARROW, SYMMETRIC_NO_CLIP, ASYMMETRIC"),
     ],
 )
 def test_qspec_rejects_combinations_that_make_no_sense(kwargs, words):

@@ -21,7 +21,7 @@ INT8_ACT = q.QSpec(q.INT8, q.PerTensor(), "asymmetric", observer=q.HistogramObse
 # (activation, weight) of each preset, written from the preset table of the issue.
 PRESET_SPECS = {
     "w8a8": (INT8_ACT, q.QSpec(q.INT8, q.PerChannel(0), "symmetric_narrow", observer=CMM)),
-    "w4a8": (INT8_ACT, q.QSpec(q.INT4, q.PerGroup(32, 1), "symmetric", observer=CMM)),
+    "w4a8": (INT8_ACT, q.QSpec(q.INT4, q.PerGroup(32, 1), "symmetric_no_clip", observer=CMM)),
     "w4a16": (None, q.QSpec(q.INT4, q.PerGroup(32, 1), "asymmetric", "minval", observer=CMM)),
     "w8a16": (None, q.QSpec(q.INT8, q.PerGroup(128, 1), "symmetric_narrow", observer=CMM)),
     "fp8": (q.QSpec(q.FP8_E4M3, q.PerTensor(), dynamic=True), q.QSpec(q.FP8_E4M3, q.PerChannel(0), observer=CMM)),

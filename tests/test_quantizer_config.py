@@ -126,7 +126,7 @@ _QSPEC = {"format": "int8"}
         ({"global": {"weight": {"format": "int17"}}}, "global.weight.format: IntFormat: bits must be 2..16"),
         ({"global": {"weight": {"scheme": "sym"}}}, "global.weight: missing key 'format'"),
         ({"global": {"weight": {"format": "int8", "scheme": "sym"}}},
-         "global.weight: QSpec: scheme must be one of SYMMETRIC, SYMMETRIC_NARROW, ASYMMETRIC"),
+         "global.weight: QSpec: scheme must be one of SYMMETRIC, SYMMETRIC_NARROW, SYMMETRIC_NO_CLIP, ASYMMETRIC"),
         ({"global": {"weight": {"format": "int8", "granularity": "per_row"}}},
          "global.weight.granularity: unknown granularity 'per_row'; allowed: per_tensor, per_channel, per_group, "
          "per_block, per_token"),

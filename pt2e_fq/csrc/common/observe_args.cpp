@@ -64,12 +64,15 @@ AffineRangeParams check_affine_observe_args(const char* op, const at::Tensor& x,
                       static_cast<int32_t>(quant_max), static_cast<float>(range_limit)};
   if (scheme == "symmetric") {
     p.scheme = AffineScheme::kSymmetric;
+  } else if (scheme == "symmetric_no_clip") {
+    p.scheme = AffineScheme::kSymmetricNoClip;
   } else if (scheme == "asymmetric") {
     p.scheme = AffineScheme::kAsymmetric;
   } else if (scheme == "minval") {
     p.scheme = AffineScheme::kMinval;
   } else {
-    TORCH_CHECK_VALUE(false, op, ": scheme must be one of 'symmetric', 'asymmetric', 'minval', got '",
+    TORCH_CHECK_VALUE(false, op,
+                      ": scheme must be one of 'symmetric', 'symmetric_no_clip', 'asymmetric', 'minval', got '",
                       scheme, "'");
   }
   const bool minval = p.scheme == AffineScheme::kMinval;

@@ -45,8 +45,8 @@ TORCH_LIBRARY(pt2e_fq, m) {
   // MovingAverageMinMaxObserver), adds the count of non-finite values to
   // nonfinite, writes the range's qparams into scale and offset, and returns
   // (y, packed mask) of the static op on them. All in place on x's device,
-  // no host sync. scheme: "symmetric" | "asymmetric" (offset: the int32 zero
-  // point) | "minval" (offset: the fp32 minval); ranges are clamped to
+  // no host sync. scheme: "symmetric" | "symmetric_no_clip" | "asymmetric"
+  // (offset: the int32 zero point) | "minval" (offset: the fp32 minval); ranges are clamped to
   // [-range_limit, range_limit] first (qparams.int_range_limit).
   m.def(
       "fake_quantize_affine_observe(Tensor x, SymInt[] block_size, Tensor(a!) min_val, "

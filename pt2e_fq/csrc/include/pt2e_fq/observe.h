@@ -84,9 +84,10 @@ PT2E_FQ_HD void nonempty_range(float& lo, float& hi) {
   if (lo > hi) lo = hi = 0.0f;
 }
 
-// The integer schemes of the fused affine op: symmetric and asymmetric (ZP
-// formulation; the offset is the zero point) and MINVAL (the offset is lo).
-enum class AffineScheme : int { kSymmetric = 0, kAsymmetric = 1, kMinval = 2 };
+// The integer schemes of the fused affine op: symmetric, asymmetric and
+// symmetric without clipping (ZP formulation; the offset is the zero point)
+// and MINVAL (the offset is lo).
+enum class AffineScheme : int { kSymmetric = 0, kAsymmetric = 1, kMinval = 2, kSymmetricNoClip = 3 };
 
 struct AffineRangeParams {
   AffineScheme scheme;
@@ -103,7 +104,7 @@ PT2E_FQ_HD float clamp_min_nan(float v, float m) { return v < m ? m : v; }
 PT2E_FQ_HD int32_t floor_div2(int32_t v) { return v >= 0 ? v / 2 : -((-v + 1) / 2); }
 
 // The scale and offset of a (non-empty) range [lo, hi] (qparams.py's
-// symmetric_qparams, asymmetric_qparams, minval_qparams after the
+// symmetric_qparams, symmetric_no_clip_qparams, asymmetric_qparams, minval_qparams after the
 // int_range_limit clamp). zero_point is set for the ZP schemes, minval for
 // MINVAL.
 PT2E_FQ_HD void affine_qparams_from_range(const AffineRangeParams& p, float lo, float hi,
@@ -118,6 +119,16 @@ PT2E_FQ_HD void affine_qparams_from_range(const AffineRangeParams& p, float lo, 
       const float amax = maximum_nan(-clamp_max0(lo), clamp_min0(hi));
       scale = clamp_min_nan(div_by_scalar(amax, 0.5f * levels), kIntScaleEps);
       zero_point = floor_div2(qmin + qmax + 1);
+      minval = 0.0f;
+      return;
+    }
+    case AffineScheme::kSymmetricNoClip: {
+      // Each side of the range onto the codes on its side of the middle one.
+      const int32_t middle = floor_div2(qmin + qmax + 1);
+      const float below = div_by_scalar(-clamp_max0(lo), static_cast<float>(middle - qmin));
+      const float above = div_by_scalar(clamp_min0(hi), static_cast<float>(qmax - middle));
+      scale = clamp_min_nan(maximum_nan(below, above), kIntScaleEps);
+      zero_point = middle;
       minval = 0.0f;
       return;
     }
