@@ -95,6 +95,9 @@ FULL = ("resnet18", "llama")
 PTQ_CASES = [(m, p) for m in zoo.NAMES
              for p in (PRESETS if m in FULL else ("w8a8",) if m in ("mobilenet_v3_small", "efficientnet_b0")
                        else ("w8a8", "fp8"))]
+# BERT w4a8: its int4 weights' rounding ties (SYMMETRIC_NO_CLIP); mobilenet
+# w4a16: depthwise weights in 4 bits (integer groups across kernel positions).
+PTQ_CASES += [("bert", "w4a8"), ("mobilenet_v3_small", "w4a16")]
 # efficientnet_b0 for the CNNs with batch norm eps 1e-3 and stochastic depth (issue 21.2).
 QAT_CASES = [(m, "w8a8") for m in zoo.NAMES if m != "mobilenet_v3_small"] + [("resnet18", "w4a8")]
 # fp8 on ViT: dynamic points reading a parameter (the position embedding; issue 21.4);
