@@ -65,8 +65,8 @@ from pt2e_fq.export.qdq import XNNPACK_FUSED_ACTIVATIONS
 from pt2e_fq.format_kinds import MX, kind_of
 
 from .config import OpConfig, QuantizerConfig
+from .patterns import CONV_OPS
 
-_CONV_OP_TYPES = ("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d")
 _WEIGHT_OBSERVER = CurrentMinMaxObserver()
 _INT8_ACT = QSpec(INT8, PerTensor(), "asymmetric", observer=HistogramObserver())
 _INT8_ACT_QAT = QSpec(INT8, PerTensor(), "asymmetric")  # MinMaxObserver
@@ -100,7 +100,7 @@ def _block_config(fmt, activation_dynamic: bool) -> QuantizerConfig:
     weight = spec(1, weight_dynamic, None if weight_dynamic else _WEIGHT_OBSERVER)
     config = QuantizerConfig(OpConfig(spec(-1, activation_dynamic), weight))
     conv = OpConfig(spec(1, activation_dynamic), weight)
-    for op_type in _CONV_OP_TYPES:
+    for op_type in CONV_OPS:
         config.set_operator_type(op_type, conv)
     return _compute_inputs_only(config)
 
