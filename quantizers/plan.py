@@ -214,10 +214,11 @@ class _Walk:
         group_root = None
         for arg, role in m.inputs:
             spec = None if self.float_inputs.get(m.node) is arg else getattr(cfg, role)
-            if spec is not None and role == WEIGHT and m.weight_transposed:
-                spec = _swap_axes_0_1(spec)
-            if spec is not None and role == WEIGHT and m.op_type in CONV_OPS:
-                spec = _conv_weight_groups(spec, arg, in_axis=0 if m.weight_transposed else 1)
+            if spec is not None and role == WEIGHT:
+                if m.weight_transposed:
+                    spec = _swap_axes_0_1(spec)
+                if m.op_type in CONV_OPS:
+                    spec = _conv_weight_groups(spec, arg, in_axis=0 if m.weight_transposed else 1)
             p = PlannedInput(arg, role, spec)
             planned.inputs.append(p)
             if spec is not None:

@@ -104,9 +104,9 @@ PT2E_FQ_HD float clamp_min_nan(float v, float m) { return v < m ? m : v; }
 PT2E_FQ_HD int32_t floor_div2(int32_t v) { return v >= 0 ? v / 2 : -((-v + 1) / 2); }
 
 // The scale and offset of a (non-empty) range [lo, hi] (qparams.py's
-// symmetric_qparams, symmetric_no_clip_qparams, asymmetric_qparams, minval_qparams after the
-// int_range_limit clamp). zero_point is set for the ZP schemes, minval for
-// MINVAL.
+// symmetric_qparams, symmetric_no_clip_qparams, asymmetric_qparams,
+// minval_qparams after the int_range_limit clamp). zero_point is set for the
+// ZP schemes, minval for MINVAL.
 PT2E_FQ_HD void affine_qparams_from_range(const AffineRangeParams& p, float lo, float hi,
                                           float& scale, int32_t& zero_point, float& minval) {
   lo = clamp_keep_nan(lo, -p.range_limit, p.range_limit);
