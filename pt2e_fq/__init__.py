@@ -45,9 +45,13 @@ from .qspec import QSpec
 from .schemes import Formulation, Scheme
 from . import export  # pt2e_fq.export: .pt2 and ONNX export, conv-bn folding
 from .export import load, save
+from .flow import convert_pt2e, freeze_qat, move_exported_model_to_eval
 from .report import report
 
 __all__ = [
+    "move_exported_model_to_eval",
+    "convert_pt2e",
+    "freeze_qat",
     "save",
     "load",
     "report",

@@ -21,6 +21,7 @@ from torchao.quantization.pt2e.quantizer import QuantizationSpec
 
 from . import observer_sync
 from .blocks import reduced_shape
+from .eval_mode import check_eval_mode
 from .formats import IntFormat
 from .granularity import PerChannel, PerTensor
 from .observers import CurrentMinMaxObserver
@@ -415,6 +416,7 @@ class FakeQuantize(FakeQuantizeBase):
             # tensor); those after it were checked with it.
             check_calibrated(model)
             check_finite(model)
+            check_eval_mode(model, "convert_pt2e")
         if "nonfinite" in self._buffers:  # once, at convert: the report still shows it after
             self._nonfinite_at_convert = int(self.nonfinite)
         # Learned qparams become buffers as the op applied them, in a static

@@ -20,6 +20,7 @@ from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, Quantize
 
 from pt2e_fq import QSpec
 from pt2e_fq.blocks import reduced_shape
+from pt2e_fq.eval_mode import record_batch_norms, restore_batch_norms
 from pt2e_fq.report import float_weights_text
 
 from .config import OP_CONFIG_KEYS, QuantizerConfig
@@ -79,6 +80,31 @@ class FakeQuantQuantizer(Quantizer):
         return build_plan(model, self.config)
 
     # -- torchao Quantizer ----------------------------------------------------------
+
+    def transform_for_annotation(self, model: GraphModule) -> GraphModule:
+        """Records each batch norm's momentum and eps in `model.meta`:
+        prepare_qat_pt2e's conv-bn fusion, which runs after this hook, writes
+        0.1 and 1e-5 into every one (pt2e_fq.eval_mode).
+
+        Args:
+            model: the exported GraphModule prepare_pt2e / prepare_qat_pt2e was given.
+
+        Returns:
+            `model`, with nothing in its graph changed.
+        """
+        record_batch_norms(model)
+        return model
+
+    def prepare_obs_or_fq_callback(self, model: GraphModule, edge_or_node_to_obs_or_fq: dict) -> None:
+        """Writes back each batch norm's recorded momentum and eps; torchao
+        calls it after its conv-bn fusion, before it inserts the fake-quant
+        modules.
+
+        Args:
+            model: the GraphModule being prepared.
+            edge_or_node_to_obs_or_fq: torchao's map of the modules to insert (left as it is).
+        """
+        restore_batch_norms(model)
 
     def annotate(self, model: GraphModule) -> GraphModule:
         """Writes the plan's annotations; warns naming every op with weights

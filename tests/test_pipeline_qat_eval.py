@@ -21,7 +21,9 @@ import torchao.quantization.pt2e as tao
 from quantizer_models import single_thread, sqnr_db  # noqa: F401 (an autouse fixture)
 
 import pt2e_fq
+from pt2e_fq import flow
 from pt2e_fq.app import pipeline
+from pt2e_fq.eval_mode import sdpa_dropout_p
 
 
 def stochastic_depth(x, p: float, training: bool):
@@ -120,7 +122,7 @@ def test_the_frozen_and_converted_qat_model_is_deterministic(tmp_path):
     assert not ops & {torch.ops.aten.bernoulli_.float, torch.ops.aten.dropout.default,
                       torch.ops.aten.feature_dropout.default}
     (sdpa,) = [n for n in converted.graph.nodes if n.target == torch.ops.aten.scaled_dot_product_attention.default]
-    assert pipeline._sdpa_dropout_p(sdpa) == 0.0
+    assert sdpa_dropout_p(sdpa) == 0.0
 
 
 def test_the_torchao_eval_switch_after_freeze_changes_nothing():
@@ -151,7 +153,7 @@ def test_random_ops_it_does_not_recognise_are_named_in_a_warning():
     x = torch.randn(4, 8)
     prepared = pipeline.prepare(Noisy(), x, "w8a8", qat=True)
     with pytest.warns(UserWarning, match=r"1 random op\(s\) stay in the eval-mode graph.*randn_like.*module ''"):
-        pipeline.move_to_eval(prepared)
+        flow.move_exported_model_to_eval(prepared)
 
 
 def test_move_to_eval_of_a_model_without_randomness_warns_nothing():
@@ -159,6 +161,6 @@ def test_move_to_eval_of_a_model_without_randomness_warns_nothing():
     prepared = pipeline.prepare(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)), x, "w8a8", qat=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        pipeline.move_to_eval(prepared)
+        flow.move_exported_model_to_eval(prepared)
     prepared.apply(tao.disable_fake_quant)
     assert torch.equal(prepared(x), prepared(x))

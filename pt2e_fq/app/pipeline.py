@@ -10,9 +10,9 @@
     pipeline.freeze_qat(qat, batch)                               # eval mode, final weight qparams, observers off
     converted = pipeline.convert(qat)
 
-`move_to_eval` is the eval switch freeze_qat uses, in place of torchao's
-`move_exported_model_to_eval`, which resets every batch norm's eps to 1e-5
-and leaves SDPA's dropout and stochastic depth random (docs/user_guide.md).
+`freeze_qat` and `convert` are pt2e_fq.flow's freeze_qat and convert_pt2e
+(the eval switch that keeps each batch norm's eps, and convert without
+torchao's conv-bn pattern search).
 
 `quantize` runs the whole flow for a model without labels (what the CLI
 does): calibration, then optionally QAT that distils the float model's
@@ -33,17 +33,14 @@ import warnings
 from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
-import torchao.quantization.pt2e as tao
-from torchao.quantization.pt2e import qat_utils
-from torchao.quantization.pt2e.export_utils import _EXPORTED_TRAINING_ATTR
-from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e, prepare_qat_pt2e
+from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e, prepare_qat_pt2e
 from tqdm import tqdm
 
 from quantizers import FakeQuantQuantizer, QuantizerConfig, presets
-from quantizers.patterns import DROPOUTS
 
-from ..inputs import as_args
 from ..fake_quantize import FakeQuantize
+from ..flow import convert_pt2e as convert, freeze_qat  # noqa: F401 (the pipeline's names for them)
+from ..inputs import as_args
 
 ConfigLike = Union[str, QuantizerConfig, FakeQuantQuantizer]
 
@@ -152,12 +149,7 @@ def prepare(
         model.train(was_training)
     if not qat:
         return prepare_pt2e(gm, quantizer)
-    # prepare_qat_pt2e's conv-bn fusion writes its pattern's momentum 0.1 and
-    # eps 1e-5 into every batch norm it fuses (torchvision's MobileNetV3 and
-    # EfficientNet use 0.01 and 1e-3): put each one's own back.
-    literals = _batch_norm_literals(gm)
     prepared = prepare_qat_pt2e(gm, quantizer)
-    _set_batch_norm_literals(prepared, literals)
     _warn_histogram_in_qat(prepared)
     return prepared
 
@@ -173,37 +165,6 @@ def _warn_histogram_in_qat(prepared: torch.nn.Module) -> None:
             f"{', ...' if len(names) > 3 else ''}), whose range search runs at every training step while the "
             "observers are on (tens of ms per point); QAT usually keeps MinMaxObserver there: "
             "presets.get_preset(name, qat=True), or a preset name, which takes that form", stacklevel=3)
-
-
-aten = torch.ops.aten
-_BATCH_NORM = aten.batch_norm.default
-
-
-def _running_var(node: torch.fx.Node) -> Optional[str]:
-    """The running_var buffer a batch_norm node reads: what identifies its
-    batch norm across torchao's pattern rewrites (they replace the node)."""
-    var = node.args[4]
-    return var.target if isinstance(var, torch.fx.Node) and var.op == "get_attr" else None
-
-
-def _batch_norm_literals(gm: torch.fx.GraphModule) -> dict[str, tuple[float, float]]:
-    """{running_var buffer: (momentum, eps)} of every batch norm with running statistics."""
-    return {_running_var(n): (n.args[6], n.args[7]) for n in gm.graph.nodes
-            if n.target is _BATCH_NORM and _running_var(n) is not None}
-
-
-def _set_batch_norm_literals(gm: torch.fx.GraphModule, literals: dict[str, tuple[float, float]]) -> None:
-    """Writes each batch norm's momentum and eps back, in its batch_norm node
-    and in the `running_var + eps` of torchao's QAT conv-bn pattern (whose
-    scale factor is weight / sqrt(running_var + eps))."""
-    for n in gm.graph.nodes:
-        if n.target is _BATCH_NORM and _running_var(n) in literals:
-            momentum, eps = literals[_running_var(n)]
-            n.args = (*n.args[:6], momentum, eps, *n.args[8:])
-        elif (n.target is aten.add.Tensor and isinstance(n.args[0], torch.fx.Node)
-              and n.args[0].op == "get_attr" and n.args[0].target in literals and isinstance(n.args[1], float)):
-            n.args = (n.args[0], literals[n.args[0].target][1])
-    gm.recompile()
 
 
 def calibrate(prepared: torch.nn.Module, batches: Iterable, *, progress: bool = True) -> torch.nn.Module:
@@ -272,136 +233,6 @@ def _check_finite(model: torch.nn.Module, desc: str, losses: list[float]) -> Non
     for name, p in model.named_parameters():
         if p.requires_grad and not torch.isfinite(p).all():
             raise TrainingDiverged(f"{desc}: parameter {name} became NaN or infinite at step {len(losses)}")
-
-
-_SDPA = aten.scaled_dot_product_attention.default
-_SDPA_DROPOUT_P = 4  # its argument index
-
-
-def _sdpa_dropout_p(node: torch.fx.Node) -> float:
-    return node.kwargs.get("dropout_p", node.args[_SDPA_DROPOUT_P] if len(node.args) > _SDPA_DROPOUT_P else 0.0)
-
-
-def _is_random(node: torch.fx.Node) -> bool:
-    """An op that draws random numbers (ATen tags them nondeterministic_seeded);
-    SDPA only where its dropout_p is not 0."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-        return False
-    if node.target is _SDPA:
-        return _sdpa_dropout_p(node) != 0
-    return torch.Tag.nondeterministic_seeded in node.target.tags
-
-
-def _random_masks(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
-    """Nodes whose value is computed from Bernoulli draws and scalars only
-    (stochastic depth's mask: empty -> bernoulli_ -> div_, and a fake-quant
-    point on it), not from the model's inputs or parameters."""
-    noise = set()
-    for n in gm.graph.nodes:
-        tensors = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor) or a.op == "get_attr"]
-        if n.op == "call_function" and getattr(n.target, "overloadpacket", None) in (aten.bernoulli, aten.bernoulli_):
-            noise.add(n)
-        elif n.op in ("call_function", "call_module") and tensors and all(a in noise for a in tensors):
-            noise.add(n)
-    return noise
-
-
-def move_to_eval(prepared: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """The eval switch of an exported (prepared) model, in place; returns it.
-
-    - batch norms use their running statistics, each with its own eps (torchao's
-      move_exported_model_to_eval writes 1e-5 into every one);
-    - dropouts become the identity; a scaled_dot_product_attention that
-      train-mode export baked a dropout_p into gets dropout_p 0.0;
-    - a product with a random Bernoulli mask (stochastic depth / DropPath in
-      torchvision, timm and transformers: x * bernoulli(keep) / keep) becomes
-      its other factor x, what those modules return in eval mode, and the
-      draw is removed;
-    - any other random op is left and named in a warning: nothing tells
-      whether the model means it in eval mode.
-
-    One way: dropouts and masks are removed, not switched off, so the model
-    does not go back to training. torchao's eval switch sees the model as in
-    eval mode already and leaves it alone."""
-    graph = prepared.graph
-    for n in list(graph.nodes):
-        if n.target is _BATCH_NORM and n.args[5] and isinstance(n.args[3], torch.fx.Node):
-            n.args = (*n.args[:5], False, *n.args[6:])  # training=False; momentum and eps as they were
-        elif n.target in DROPOUTS:  # (input, p, train), in place or not: the identity in eval mode
-            n.replace_all_uses_with(n.args[0])
-            graph.erase_node(n)
-        elif n.target is _SDPA and _sdpa_dropout_p(n) != 0:
-            if "dropout_p" in n.kwargs:
-                n.update_kwarg("dropout_p", 0.0)
-            else:
-                n.update_arg(_SDPA_DROPOUT_P, 0.0)
-    noise = _random_masks(prepared)
-    for n in list(graph.nodes):
-        if n.target in (aten.mul.Tensor, aten.mul_.Tensor) and (n.args[0] in noise) != (n.args[1] in noise):
-            n.replace_all_uses_with(n.args[1] if n.args[0] in noise else n.args[0])
-            noise.add(n)
-    # In-place draws (bernoulli_, div_) count as side effects for plain dead-code elimination.
-    graph.eliminate_dead_code(is_impure_node=lambda n: n not in noise and n.is_impure())
-    prepared.delete_all_unused_submodules()
-    prepared.recompile()
-    left = [n for n in graph.nodes if _is_random(n)]
-    if left:
-        where = ", ".join(f"{n.name} ({n.target}) in {_module_text(n)}" for n in left)
-        warnings.warn(f"move_to_eval: {len(left)} random op(s) stay in the eval-mode graph, so its outputs are "
-                      f"random: {where}; only dropouts, SDPA's dropout_p and Bernoulli masks multiplied into a "
-                      "tensor (stochastic depth) are recognised as train-only", stacklevel=2)
-    setattr(prepared, _EXPORTED_TRAINING_ATTR, False)
-    return prepared
-
-
-def _module_text(node: torch.fx.Node) -> str:
-    stack = list(node.meta.get("nn_module_stack", {}).values())
-    return f"module '{stack[-1][0]}'" if stack else "the model itself"
-
-
-def freeze_qat(prepared: torch.nn.Module, batch) -> torch.nn.Module:
-    """Ends QAT: eval mode (move_to_eval: batch norms use their running
-    statistics, train-only randomness is removed), one forward of `batch`
-    with the observers on, so the weight qparams of a conv-bn see the final
-    statistics, then every observer off. A learnable point's observer stays
-    off: its range is the trained one."""
-    move_to_eval(prepared)
-    prepared.apply(tao.enable_observer)
-    for m in prepared.modules():  # a learned range is kept as trained
-        if isinstance(m, FakeQuantize) and m.qspec.learnable:
-            m.disable_observer()
-    with torch.no_grad():
-        prepared(*as_args(batch))
-    prepared.apply(tao.disable_observer)
-    return prepared
-
-
-def convert(prepared: torch.nn.Module) -> torch.fx.GraphModule:
-    """convert_pt2e: freezes every fake-quant point (one op call each).
-
-    When every point is one of ours, torchao's QAT conv-bn fold is skipped:
-    it matches only torchao's own quantize/dequantize patterns, of which such
-    a graph has none, and builds 96 pattern graphs to find that out (its
-    cost: benchmarks/README.md). The graph is the one convert_pt2e gives (tested);
-    folding batch norms is the export step's job."""
-    points = [m for m in prepared.modules() if isinstance(m, (tao.ObserverBase, tao.FakeQuantizeBase))]
-    if not all(isinstance(m, FakeQuantize) for m in points):
-        return convert_pt2e(prepared)
-    with _torchao_conv_bn_fold_skipped():
-        return convert_pt2e(prepared)
-
-
-@contextlib.contextmanager
-def _torchao_conv_bn_fold_skipped():
-    """torchao's _fold_conv_bn_qat without its pattern matching: what
-    remains is its clean-up (the batch norms' num_batches_tracked updates
-    removed, dead code eliminated), as convert_pt2e does it."""
-    helper = qat_utils._fold_conv_bn_qat_helper
-    qat_utils._fold_conv_bn_qat_helper = lambda m, *args, **kwargs: m
-    try:
-        yield
-    finally:
-        qat_utils._fold_conv_bn_qat_helper = helper
 
 
 def quantize(

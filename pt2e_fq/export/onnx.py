@@ -16,6 +16,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from ..eval_mode import check_eval_mode
 from ..files import atomic_write, check_writable
 from ..formats import FloatFormat
 from ..inputs import as_args
@@ -161,6 +162,7 @@ def to_onnx(
 
     _check_opset(opset)
     check_writable(path)  # before the export's work
+    check_eval_mode(model, "to_onnx")
     with fused_scales():  # a dynamic FP8 point's scale as one node (onnx_scale.py)
         ep = exported_program(model, example_inputs, dynamic_shapes=dynamic_shapes, fold_bn=fold_bn)
     check_finite_qparams(ep, "to_onnx")

@@ -22,6 +22,7 @@ from typing import Any, Iterator, Optional, Union
 import torch
 import torch.utils._pytree as pytree
 
+from ..eval_mode import check_eval_mode
 from ..files import atomic_write, check_writable
 from ..report import check_finite_qparams
 from .program import exported_program
@@ -40,6 +41,7 @@ def save(
     returns the saved program. The file is replaced only once it is
     complete; a failed write is a pt2e_fq.files.WriteError."""
     check_writable(path)  # before the export's work
+    check_eval_mode(model_or_program, "save")
     ep = exported_program(model_or_program, example_inputs, dynamic_shapes=dynamic_shapes, fold_bn=fold_bn)
     check_finite_qparams(ep, "save")
     _check_loadable_types(ep)
