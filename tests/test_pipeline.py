@@ -7,12 +7,8 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-import torchao.quantization.pt2e as tao
 from quantizer_models import fake_quant_modules, sqnr_db, single_thread  # noqa: F401 (an autouse fixture: one thread)
-from torchao.quantization.pt2e import qat_utils
-from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
-from pt2e_fq import FakeQuantize
 from pt2e_fq.app import pipeline
 from quantizers import FakeQuantQuantizer, presets
 
@@ -128,33 +124,3 @@ def test_quantize_argument_errors():
         pipeline.quantize(_mlp(), _inputs(8, 0), "w8a8", qat_steps=-1)
     with pytest.raises(ValueError, match="calibration holds no batch"):
         pipeline.quantize(_mlp(), _inputs(8, 0), "w8a8", calibration=[])
-
-
-def _conv_bn_qat(quantizer):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(128, 4))
-    prepared = pipeline.prepare(model, torch.randn(4, 3, 6, 6), quantizer, qat=True)
-    pipeline.calibrate(prepared, [torch.randn(4, 3, 6, 6)], progress=False)
-    return pipeline.freeze_qat(prepared, torch.randn(8, 3, 6, 6))
-
-
-def test_convert_gives_convert_pt2e_s_graph():
-    prepared = _conv_bn_qat("w8a8")
-    ours, theirs = pipeline.convert(copy.deepcopy(prepared)), convert_pt2e(copy.deepcopy(prepared))
-    assert ours.code == theirs.code
-    assert "num_batches_tracked" not in ours.code  # torchao's clean-up ran
-    x = torch.randn(5, 3, 6, 6)
-    assert torch.equal(ours(x), theirs(x))
-
-
-def test_convert_runs_torchao_s_fold_when_a_point_is_not_ours(monkeypatch):
-    prepared = _conv_bn_qat("w8a8")
-    name = next(n for n, m in prepared.named_modules() if isinstance(m, FakeQuantize))
-    setattr(prepared, name, tao.FakeQuantize())  # a stock torchao point
-    calls = []
-    helper = qat_utils._fold_conv_bn_qat_helper
-    monkeypatch.setattr(qat_utils, "_fold_conv_bn_qat_helper", lambda m, *a, **k: calls.append(1) or m)
-    pipeline.convert(prepared)
-    assert calls
-    monkeypatch.undo()
-    assert qat_utils._fold_conv_bn_qat_helper is helper

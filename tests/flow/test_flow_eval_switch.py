@@ -1,0 +1,114 @@
+"""pt2e_fq.move_exported_model_to_eval, the drop-in for torchao's eval switch,
+and what happens where a user calls torchao's own: every convert path,
+`save` and `to_onnx` refuse the model it leaves, in one line naming the
+function to call, and that function repairs it.
+
+References: the float model in eval mode (the switched graph with its
+fake-quant points off must compute it), and the values of each float batch
+norm module."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torchao.quantization.pt2e as tao
+from flow_models import EPS, MOMENTUM, batch_norm_literals, batches, build, calibrate, qat_prepared
+from quantizer_models import single_thread  # noqa: F401 (an autouse fixture)
+from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e as torchao_convert_pt2e
+
+import pt2e_fq
+from pt2e_fq.eval_mode import SDPA, sdpa_dropout_p
+
+TORCHAO_EVAL = "as torchao's move_exported_model_to_eval leaves it; call pt2e_fq.move_exported_model_to_eval"
+
+
+def _sdpa_dropouts(gm):
+    return [sdpa_dropout_p(n) for n in gm.graph.nodes if n.target is SDPA]
+
+
+def _dropouts(gm):
+    return [n for n in gm.graph.nodes if "dropout" in str(n.target)]
+
+
+def test_the_eval_switch_keeps_eps_and_removes_train_only_randomness():
+    model = build("attention_block")
+    prepared = pt2e_fq.move_exported_model_to_eval(qat_prepared("attention_block"))
+    assert batch_norm_literals(prepared) == [(MOMENTUM, EPS)]
+    assert _sdpa_dropouts(prepared) == [0.0] and _dropouts(prepared) == []
+    x = batches(1, seed=9)[0]
+    prepared.apply(tao.disable_fake_quant)
+    with torch.no_grad():
+        y = prepared(x)
+        assert torch.equal(prepared(x), y)  # deterministic
+        torch.testing.assert_close(y, model.eval()(x), rtol=1e-4, atol=1e-5)
+
+
+def test_torchao_s_eval_switch_still_resets_eps_and_keeps_sdpa_dropout():
+    """Why the drop-in exists; where a torchao release fixes this, the
+    drop-in and the guards below can go."""
+    prepared = tao.move_exported_model_to_eval(qat_prepared("attention_block"))
+    assert batch_norm_literals(prepared) == [(0.1, 1e-5)]
+    assert _sdpa_dropouts(prepared) == [0.1]
+
+
+def test_the_drop_in_repairs_a_model_torchao_s_switch_changed():
+    ours = pt2e_fq.move_exported_model_to_eval(qat_prepared("attention_block"))
+    repaired = pt2e_fq.move_exported_model_to_eval(tao.move_exported_model_to_eval(qat_prepared("attention_block")))
+    assert batch_norm_literals(repaired) == [(MOMENTUM, EPS)]
+    assert _sdpa_dropouts(repaired) == [0.0] and _dropouts(repaired) == []
+    x = batches(1, seed=9)[0]
+    with torch.no_grad():
+        assert torch.equal(repaired(x), ours(x))
+
+
+@pytest.mark.parametrize("convert", [torchao_convert_pt2e, pt2e_fq.convert_pt2e], ids=["torchao", "pt2e_fq"])
+@pytest.mark.parametrize("name", ["conv_bn_cnn", "attention_block"])
+def test_every_convert_refuses_a_model_torchao_s_switch_changed(convert, name):
+    prepared = qat_prepared(name)
+    tao.move_exported_model_to_eval(prepared)
+    calibrate(prepared, batches(2))
+    with pytest.raises(ValueError, match=r"^convert_pt2e: .*eps 1e-05, its module 0.01 and 0.001") as error:
+        convert(copy.deepcopy(prepared))
+    assert "\n" not in str(error.value) and TORCHAO_EVAL in str(error.value)
+    pt2e_fq.move_exported_model_to_eval(prepared)
+    pt2e_fq.convert_pt2e(prepared)  # repaired (torchao's own convert is the same: test_flow_convert)
+
+
+def test_the_message_names_sdpa_dropout_left_by_torchao_s_switch():
+    prepared = qat_prepared("attention_block")
+    tao.move_exported_model_to_eval(prepared)
+    calibrate(prepared, batches(2))
+    with pytest.raises(ValueError, match=r"'scaled_dot_product_attention' keeps dropout_p 0.1"):
+        pt2e_fq.convert_pt2e(prepared)
+
+
+@pytest.fixture(scope="module")
+def switched_after_convert():
+    """Converted without an eval switch, then switched by torchao's: what a
+    script that calls the eval switch just before export gets."""
+    prepared = qat_prepared("conv_bn_cnn")
+    calibrate(prepared, batches(2))
+    return tao.move_exported_model_to_eval(pt2e_fq.convert_pt2e(prepared))
+
+
+def test_save_refuses_a_model_torchao_s_switch_changed(switched_after_convert, tmp_path):
+    with pytest.raises(ValueError, match=rf"^save: .*eps 1e-05.*{TORCHAO_EVAL}"):
+        pt2e_fq.save(switched_after_convert, batches(1)[0], tmp_path / "m.pt2")
+    assert not (tmp_path / "m.pt2").exists()
+
+
+def test_to_onnx_refuses_a_model_torchao_s_switch_changed(switched_after_convert, tmp_path):
+    pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
+    with pytest.raises(ValueError, match=rf"^to_onnx: .*eps 1e-05.*{TORCHAO_EVAL}"):
+        pt2e_fq.export.to_onnx(switched_after_convert, batches(1)[0], tmp_path / "m.onnx")
+
+
+def test_save_takes_the_repaired_model(switched_after_convert, tmp_path):
+    repaired = pt2e_fq.move_exported_model_to_eval(copy.deepcopy(switched_after_convert))
+    assert batch_norm_literals(repaired) == [(MOMENTUM, EPS)] * 2
+    x = batches(1, seed=9)[0]
+    pt2e_fq.save(repaired, x, tmp_path / "m.pt2")
+    with torch.no_grad():
+        torch.testing.assert_close(pt2e_fq.load(tmp_path / "m.pt2").module()(x), repaired(x), rtol=1e-4, atol=1e-4)
