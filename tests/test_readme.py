@@ -1,5 +1,10 @@
-"""The README's config example is a valid config and means what its comments say;
-the user guide's dynamic-batch flow runs as written."""
+"""Every Python block of README.md and docs/*.md runs as written: the blocks
+of one file in order, in one namespace, in a temporary directory (the files
+they write land there). A block marked `<!-- not-run: reason -->` on the
+line before it (GPU-only, benchmark-sized) is skipped with that reason.
+The config examples load and mean what their comments say."""
+
+from __future__ import annotations
 
 import re
 from pathlib import Path
@@ -10,15 +15,51 @@ import yaml
 
 from quantizers import QuantizerConfig
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+_BLOCK = re.compile(r"^(?:<!-- not-run: (?P<reason>.+?) -->\n)?```python\n(?P<code>.*?)^```", re.S | re.M)
 
 
-def _yaml_blocks() -> list[str]:
-    return re.findall(r"```yaml\n(.*?)```", README.read_text(), flags=re.S)
+def python_blocks(path: Path) -> list[tuple[int, str, str | None]]:
+    """(line, code, not-run reason or None) of every ```python block."""
+    text = path.read_text()
+    return [(text.count("\n", 0, m.start("code")) + 1, m["code"], m["reason"]) for m in _BLOCK.finditer(text)]
 
 
-def test_readme_config_example_loads():
-    (block,) = _yaml_blocks()
+def _name(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+@pytest.mark.parametrize("path", [p for p in DOCS if python_blocks(p)], ids=_name)
+def test_every_python_block_runs(path, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    scope: dict = {"__name__": "__doc__"}
+    for line, code, reason in python_blocks(path):
+        if reason is not None:
+            continue
+        try:
+            exec(compile(code, f"{_name(path)}:{line}", "exec"), scope)
+        except Exception as e:
+            raise AssertionError(f"{_name(path)}, the block at line {line}: {type(e).__name__}: {e}") from e
+
+
+@pytest.mark.parametrize("path, line, reason",
+                         [(p, line, reason) for p in DOCS for line, _, reason in python_blocks(p) if reason],
+                         ids=lambda v: _name(v) if isinstance(v, Path) else str(v))
+def test_not_run_blocks_say_why(path, line, reason):
+    pytest.skip(f"{_name(path)}:{line} not run: {reason}")
+
+
+def test_the_block_marker_is_read():
+    text = "a\n<!-- not-run: needs a GPU -->\n```python\nx = 1\n```\n```python\ny = 2\n```\n"
+    found = [(m["code"], m["reason"]) for m in _BLOCK.finditer(text)]
+    assert found == [("x = 1\n", "needs a GPU"), ("y = 2\n", None)]
+
+
+def test_the_config_example_loads_and_means_what_its_comments_say():
+    text = (ROOT / "docs" / "quantizers.md").read_text()
+    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", text, flags=re.S) if "head\\." in b]
     config = QuantizerConfig.from_dict(yaml.safe_load(block))
     linear = config.module_type[torch.nn.Linear]
     assert linear.weight.format.bits == 4 and linear.weight.granularity.group_size == 32
@@ -26,40 +67,23 @@ def test_readme_config_example_loads():
     assert config.module_name_regex[r"head\..*"] is None
 
 
-USER_GUIDE = README.parent / "docs" / "user_guide.md"
-
-
-def _python_block_containing(path: Path, text: str) -> str:
-    (block,) = [b for b in re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S) if text in b]
-    return block
-
-
-# w8a8: the input, the relu into the second linear, 2 weights; the logits stay float (quantizers.presets).
-@pytest.mark.parametrize("preset, points", [("w8a8", 4), ("w4a16", 2)])
-def test_user_guide_dynamic_batch_flow_runs_as_written(preset, points, tmp_path, monkeypatch):
-    """Issue 16 item 12: the user guide's whole flow, with
-    `dynamic_shapes=({0: torch.export.Dim("batch")},)`, runs as written (its
-    `...` is a statement; w4a16 swaps the preset) and its files take any
-    batch size: the loaded .pt2 computes what the converted model computes,
-    bit for bit (no batch norm, so folding changes nothing), and the ONNX
-    file passes check_onnx, every point bit for bit, at other batch sizes."""
+def test_the_user_guide_s_dynamic_batch_files_take_any_batch_size(tmp_path, monkeypatch):
+    """The user guide's flow exports with `Dim("batch")`: its `.pt2` computes
+    what the converted model computes, bit for bit (no batch norm, so
+    folding changes nothing), and its ONNX file passes check_onnx, every
+    point bit for bit, at other batch sizes."""
     import pt2e_fq
     from pt2e_fq.export import check_onnx
 
-    block = _python_block_containing(USER_GUIDE, 'Dim("batch")')
-    assert block.count('"w8a8"') == 1
-    block = block.replace('"w8a8"', f'"{preset}"')
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-    x = torch.randn(8, 16)
-    calibration_batches = [torch.randn(8, 16) for _ in range(3)]
-    scope = {"model": model, "x": x, "calibration_batches": calibration_batches}
+    path = ROOT / "docs" / "user_guide.md"
+    (line, code, _), = [b for b in python_blocks(path) if 'Dim("batch")' in b[1]]
     monkeypatch.chdir(tmp_path)
-    exec(block, scope)
-
+    scope: dict = {}
+    exec(compile(code, f"docs/user_guide.md:{line}", "exec"), scope)
     converted, loaded = scope["converted"], pt2e_fq.load(tmp_path / "model.pt2").module()
     for size in (1, 2, 3, 17):
         xb = torch.randn(size, 16)
         with torch.no_grad():
             assert torch.equal(loaded(xb), converted(xb)), size
-        assert check_onnx(tmp_path / "model.onnx", converted, (xb,)).points == points
+        # w8a8: the input, the relu into the second linear, 2 weights; the logits stay float (quantizers.presets).
+        assert check_onnx(tmp_path / "model.onnx", converted, (xb,)).points == 4
