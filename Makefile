@@ -14,7 +14,7 @@ NVCC ?= nvcc
 CUDA_HOME ?= /usr/local/cuda
 CUDA_ARCHS ?= 80 90
 
-.PHONY: setup test bench demo cuda-check clean
+.PHONY: setup test bench demo docs cuda-check clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,11 @@ $(STAMP): $(SOURCES)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# docs/api.md from the public names' docstrings; fails naming every public
+# function or class whose docstring lacks its Args / Returns / Raises.
+docs: $(STAMP)
+	$(PY) docs/gen_api.py
 
 # Every benchmark script, one after the other (each prints its tables).
 bench: $(STAMP)
