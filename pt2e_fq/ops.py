@@ -126,7 +126,24 @@ def fake_quantize_affine_with_mask(
     minval: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Like `fake_quantize_affine`, and also returns the bit-packed clamp mask
-    (uint8, ceil(numel / 8) bytes; see `unpack_mask`)."""
+    (uint8, ceil(numel / 8) bytes; see `unpack_mask`).
+
+    Args:
+        x: float32, bfloat16 or float16 tensor.
+        block_size: one entry per dimension of x (x.shape: per tensor; 1 on an axis: per channel).
+        scale: floating, shape ceil(x.shape / block_size) (size-1 dimensions may be left out).
+        zero_point: integer (or floating) tensor shaped as scale, or None for 0.
+        quant_min: the lowest integer code (inside int16).
+        quant_max: the highest integer code, >= quant_min.
+        minval: the MINVAL formulation's float offset, shaped as scale (zero_point None).
+
+    Returns:
+        (y, mask): y as fake_quantize_affine gives it; mask uint8 of ceil(numel / 8) bytes.
+
+    Raises:
+        TypeError: a dtype is not allowed (x floating, scale floating, zero_point integer).
+        ValueError: a shape, block_size, range, device or (on CPU) a value is wrong: the message names the argument.
+    """
     return _call(
         _OP_AFFINE, _check_affine_args, block_size, (quant_min, quant_max),
         x, block_size, scale, zero_point, quant_min, quant_max, minval,
@@ -157,6 +174,22 @@ def fake_quantize_affine(
     division is IEEE `x / scale` (as ONNX QuantizeLinear), computed in fp32; y
     has x's dtype. The gradient is `dy` where quant_min <= q <= quant_max and
     0 elsewhere. NaN gives NaN; +-Inf saturates to the clamp limits.
+
+    Args:
+        x: float32, bfloat16 or float16 tensor.
+        block_size: one entry per dimension of x (x.shape: per tensor; 1 on an axis: per channel).
+        scale: floating, shape ceil(x.shape / block_size) (size-1 dimensions may be left out).
+        zero_point: integer (or floating) tensor shaped as scale, or None for 0.
+        quant_min: the lowest integer code (inside int16).
+        quant_max: the highest integer code, >= quant_min.
+        minval: the MINVAL formulation's float offset, shaped as scale (zero_point None).
+
+    Returns:
+        y, x's shape and dtype.
+
+    Raises:
+        TypeError: a dtype is not allowed (x floating, scale floating, zero_point integer).
+        ValueError: a shape, block_size, range, device or (on CPU) a value is wrong: the message names the argument.
     """
     return fake_quantize_affine_with_mask(
         x, block_size, scale, zero_point, quant_min, quant_max, minval=minval
@@ -165,7 +198,19 @@ def fake_quantize_affine(
 
 def unpack_mask(mask: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     """The bool clamp mask of the given shape (x's shape: ints >= 0) from its
-    bit-packed form, which must hold at least one bit per element."""
+    bit-packed form, which must hold at least one bit per element.
+
+    Args:
+        mask: the 1-D uint8 packed mask an op returned (element i is bit i % 8 of byte i // 8).
+        shape: x's shape.
+
+    Returns:
+        A bool tensor of `shape`: True where the element was inside the range.
+
+    Raises:
+        TypeError: mask is not a 1-D uint8 tensor, or shape not a sequence of ints.
+        ValueError: a negative size, or too few bytes for shape.
+    """
     op = "pt2e_fq.unpack_mask"
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.uint8 or mask.dim() != 1:
         what = (
@@ -244,6 +289,24 @@ def fake_quantize_affine_learnable(
     a float applies to every block as given. The sums are fp32 in an order
     fixed by the sizes (the same bits for any thread count). NaN in x gives
     a NaN d scale for its block.
+
+    Args:
+        x: float32, bfloat16 or float16 tensor.
+        block_size: one entry per dimension of x (x.shape: per tensor; 1 on an axis: per channel).
+        scale: floating, shape ceil(x.shape / block_size) (size-1 dimensions may be left out).
+        zero_point: integer (or floating) tensor shaped as scale, or None for 0.
+        quant_min: the lowest integer code (inside int16).
+        quant_max: the highest integer code, >= quant_min.
+        grad_factor: the gradient scale; None for LSQ's 1 / sqrt(block_numel * quant_max).
+        minval: the MINVAL formulation's float offset, shaped as scale (zero_point None).
+
+    Returns:
+        y, bit for bit fake_quantize_affine's.
+
+    Raises:
+        TypeError: a dtype is not allowed (x floating, scale floating, zero_point integer).
+        ValueError: a shape, block_size, range, device or (on CPU) a value is wrong: the message names the argument.
+        ValueError: grad_factor is not finite and > 0, or None with quant_max < 1.
     """
     if type(grad_factor) is int:  # the op takes a float
         grad_factor = float(grad_factor)
@@ -401,7 +464,21 @@ def _check_nvfp4_args(x, global_scale, axis) -> None:
 def fake_quantize_float_with_mask(
     x: torch.Tensor, block_size: Sequence[int], scale: torch.Tensor, dtype: Union[torch.dtype, str]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Like `fake_quantize_float`, and also returns the bit-packed clamp mask."""
+    """Like `fake_quantize_float`, and also returns the bit-packed clamp mask.
+
+    Args:
+        x: float32, bfloat16 or float16 tensor.
+        block_size: one entry per dimension of x, as in fake_quantize_affine.
+        scale: floating, shape ceil(x.shape / block_size).
+        dtype: the element: "e4m3", "e5m2", "e2m1" or its torch dtype.
+
+    Returns:
+        (y, mask): y as fake_quantize_float gives it and the packed clamp mask.
+
+    Raises:
+        TypeError: x or scale is not floating.
+        ValueError: an unknown element, a wrong block_size or scale shape, or (on CPU) a scale not finite and > 0.
+    """
     fmt = _elem_format("pt2e_fq.fake_quantize_float", "dtype", dtype)
     return _call(
         _OP_FLOAT, _check_float_args, block_size, (), x, block_size, scale, fmt
@@ -424,6 +501,19 @@ def fake_quantize_float(
     per-channel, per-block; ragged last block). The gradient is dy where
     |x / scale| <= fmax and 0 elsewhere. NaN gives NaN; +-Inf gives
     +-fmax * scale.
+
+    Args:
+        x: float32, bfloat16 or float16 tensor.
+        block_size: one entry per dimension of x, as in fake_quantize_affine.
+        scale: floating, shape ceil(x.shape / block_size).
+        dtype: the element: "e4m3", "e5m2", "e2m1" or its torch dtype.
+
+    Returns:
+        y, x's shape and dtype.
+
+    Raises:
+        TypeError: x or scale is not floating.
+        ValueError: an unknown element, a wrong block_size or scale shape, or (on CPU) a scale not finite and > 0.
     """
     return fake_quantize_float_with_mask(x, block_size, scale, dtype)[0]
 
@@ -433,7 +523,21 @@ def fake_quantize_mx_with_scales(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Like `fake_quantize_mx`, and also returns the block scales: fp32
     powers of two (exact E8M0 values, NaN for a block with a NaN) of x's
-    shape with `axis` cut to ceil(size / block_size)."""
+    shape with `axis` cut to ceil(size / block_size).
+
+    Args:
+        x: float32, bfloat16 or float16 tensor.
+        elem_dtype: "e4m3", "e5m2" (MXFP8) or "e2m1" (MXFP4), or the torch dtype.
+        block_size: elements per scale along axis (32 in the MX specification).
+        axis: the dimension the blocks run along.
+
+    Returns:
+        (y, scales): y as fake_quantize_mx gives it and the fp32 E8M0 block scales.
+
+    Raises:
+        TypeError: x is not floating.
+        ValueError: an unknown element, block_size < 1, or axis out of range.
+    """
     op = "pt2e_fq.fake_quantize_mx"
     fmt = _elem_format(op, "elem_dtype", elem_dtype)
     y, _, scales = _call(
@@ -455,6 +559,19 @@ def fake_quantize_mx(
         X = 2^clamp(floor(log2(max |x|)) - emax_elem, -127, 127)
     (emax_elem: the element's `emax`) and returns cast_rne(clamp(x / X, -fmax, fmax)) * X.
     A block with a NaN is all NaN. The gradient is dy where |x / X| <= fmax.
+
+    Args:
+        x: float32, bfloat16 or float16 tensor.
+        elem_dtype: "e4m3", "e5m2" (MXFP8) or "e2m1" (MXFP4), or the torch dtype.
+        block_size: elements per scale along axis (32 in the MX specification).
+        axis: the dimension the blocks run along.
+
+    Returns:
+        y, x's shape and dtype.
+
+    Raises:
+        TypeError: x is not floating.
+        ValueError: an unknown element, block_size < 1, or axis out of range.
     """
     return fake_quantize_mx_with_scales(x, elem_dtype, block_size, axis)[0]
 
@@ -464,7 +581,20 @@ def fake_quantize_nvfp4_with_scales(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Like `fake_quantize_nvfp4`, and also returns the E4M3 block scales (as
     fp32, x's shape with `axis` cut to ceil(size / 16)) and the fp32 global
-    scale used (a 0-dim tensor)."""
+    scale used (a 0-dim tensor).
+
+    Args:
+        x: float32, bfloat16 or float16 tensor.
+        global_scale: a 0-dim (or one-element) floating tensor, finite and > 0; None to compute it from x.
+        axis: the dimension the blocks of 16 run along.
+
+    Returns:
+        (y, block_scales, global_scale): y as fake_quantize_nvfp4 gives it, the E4M3 block scales as fp32, the global scale used.
+
+    Raises:
+        TypeError: x or global_scale is not floating.
+        ValueError: axis out of range, or (on CPU) a global_scale not finite and > 0.
+    """
     y, _, block_scales, used_global = _call(
         _OP_NVFP4, _check_nvfp4_args, (), (axis,), x, global_scale, axis
     )
@@ -485,6 +615,18 @@ def fake_quantize_nvfp4(
 
     A block whose scale s_b * g is 0 becomes 0 with gradient dy. global_scale
     must be finite and > 0. The gradient is dy where |x / (s_b * g)| <= 6.
+
+    Args:
+        x: float32, bfloat16 or float16 tensor.
+        global_scale: a 0-dim (or one-element) floating tensor, finite and > 0; None to compute it from x.
+        axis: the dimension the blocks of 16 run along.
+
+    Returns:
+        y, x's shape and dtype.
+
+    Raises:
+        TypeError: x or global_scale is not floating.
+        ValueError: axis out of range, or (on CPU) a global_scale not finite and > 0.
     """
     return fake_quantize_nvfp4_with_scales(x, global_scale, axis)[0]
 
