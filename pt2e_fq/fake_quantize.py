@@ -109,6 +109,15 @@ class FakeQuantize(FakeQuantizeBase):
     (`format_kinds` INTEGER `learnable_names`) as Parameters instead, named
     `<module path>.scale` and so on: the observer sets them while it is on,
     the optimizer while it is off; convert turns them into the buffers above.
+
+    Args:
+        qspec: the point's configuration.
+        dtype, quant_min, quant_max, qscheme, ch_axis, is_dynamic: the standard fields torchao's prepare
+            passes; each, where given, must agree with qspec.
+
+    Raises:
+        TypeError: qspec is not a QSpec.
+        ValueError: a standard field disagrees with qspec.
     """
 
     def __init__(

@@ -22,7 +22,16 @@ _OP_MIN, _OP_MAX = -(2**15), 2**15 - 1
 
 @dataclass(frozen=True)
 class IntFormat:
-    """A `bits`-wide signed or unsigned integer."""
+    """A `bits`-wide signed or unsigned integer.
+
+    Args:
+        bits: 2..16 signed, 2..15 unsigned (the op computes in int16's range).
+        signed: signed (True) or unsigned.
+
+    Raises:
+        TypeError: bits is not an int, or signed not a bool.
+        ValueError: bits out of that range.
+    """
 
     bits: int
     signed: bool = True

@@ -36,7 +36,14 @@ class PerTensor:
 
 @dataclass(frozen=True)
 class PerChannel:
-    """One scale per index of `axis` (e.g. axis 0 of a Linear or Conv weight)."""
+    """One scale per index of `axis` (e.g. axis 0 of a Linear or Conv weight).
+
+    Args:
+        axis: the dimension with one scale per index (negative counts from the end).
+
+    Raises:
+        TypeError: axis is not an int.
+    """
 
     axis: int = 0
 
@@ -51,7 +58,16 @@ class PerChannel:
 @dataclass(frozen=True)
 class PerGroup:
     """One scale per `group_size` consecutive elements along `axis` (the MX
-    and NVFP4 layout; the last group may be shorter)."""
+    and NVFP4 layout; the last group may be shorter).
+
+    Args:
+        group_size: elements per scale, >= 1.
+        axis: the dimension the groups run along.
+
+    Raises:
+        TypeError: group_size or axis is not an int.
+        ValueError: group_size < 1.
+    """
 
     group_size: int
     axis: int = -1
@@ -68,7 +84,15 @@ class PerGroup:
 @dataclass(frozen=True)
 class PerBlock:
     """One scale per block of the given size (one entry per dimension; the
-    last block along a dimension may be shorter)."""
+    last block along a dimension may be shorter).
+
+    Args:
+        block: the block's size in each dimension of the tensor, each >= 1.
+
+    Raises:
+        TypeError: block is not a non-empty tuple of ints.
+        ValueError: an entry < 1.
+    """
 
     block: tuple[int, ...]
 

@@ -154,7 +154,14 @@ class MovingAverageMinMaxObserver(RangeObserver):
     running += averaging_constant * (batch - running); the first batch with a
     finite value in a block sets that block, and a batch with none in a block
     leaves it (averaging with its empty range's infinities would make it
-    Inf or NaN for good)."""
+    Inf or NaN for good).
+
+    Args:
+        averaging_constant: the weight of each batch, in (0, 1].
+
+    Raises:
+        ValueError: averaging_constant outside (0, 1].
+    """
 
     averaging_constant: float = 0.01
 
@@ -185,7 +192,15 @@ class MSEObserver(Observer):
     squared errors wins, the widest range on a tie. Non-finite elements
     count no error (their own error is NaN or Inf whatever the range). It
     looks at the current tensor only, which is right for weights; one fused
-    op call per candidate."""
+    op call per candidate.
+
+    Args:
+        num_candidates: how many clipping fractions are tried, >= 1.
+        min_fraction: the smallest fraction of the range tried, in (0, 1].
+
+    Raises:
+        ValueError: num_candidates < 1 or min_fraction outside (0, 1].
+    """
 
     num_candidates: int = 100
     min_fraction: float = 0.2
@@ -234,7 +249,17 @@ class HistogramObserver(RangeObserver):
     Ties keep the earlier candidate, the wider range first. The search
     fake-quantizes about ((num_candidates / 3)**2 + 49) * bins *
     samples_per_bin values per block and batch: meant for per-tensor
-    activations in calibration (QAT steps keep a MinMax range: presets.py)."""
+    activations in calibration (QAT steps keep a MinMax range: presets.py).
+
+    Args:
+        bins: histogram bins per block.
+        num_candidates: clipping fractions tried each way.
+        min_fraction: the smallest fraction of the range tried, in (0, 1].
+        samples_per_bin: points per bin fake-quantized to measure the error.
+
+    Raises:
+        ValueError: a count < 1 or min_fraction outside (0, 1].
+    """
 
     bins: int = 2048
     num_candidates: int = 24

@@ -35,26 +35,32 @@ def _as_enum(enum_cls, name: str, value):
 class QSpec:
     """One fake-quant point.
 
-    format: an IntFormat (INT8, UINT8, INT4, IntFormat(bits, signed)) or a
-        FloatFormat (FP8_E4M3, FP8_E5M2, FP4_E2M1, MXFP8_E4M3, MXFP8_E5M2,
-        MXFP4, NVFP4).
-    granularity: PerTensor(), PerChannel(axis), PerGroup(size, axis),
-        PerBlock(block), PerToken(). MX formats need PerGroup(32, axis),
-        NVFP4 PerGroup(16, axis).
-    scheme: SYMMETRIC, SYMMETRIC_NARROW, SYMMETRIC_NO_CLIP or ASYMMETRIC
-        (integer formats; pt2e_fq.schemes); float formats are SYMMETRIC.
-    formulation: ZP or MINVAL (MINVAL: integer, ASYMMETRIC only).
-    observer: how the range is found; None picks MinMaxObserver() for a
-        static point and CurrentMinMaxObserver() for a dynamic one.
-    dynamic: qparams from the live tensor at every call (no stored state).
-    learnable: learned ranges (LSQ / LSQ+; integer formats, static points):
-        the observer sets the qparams while it is on, as for a static
-        point; they are nn.Parameters that the optimizer trains when it is
-        off (scale; a floating zero point under ASYMMETRIC ZP; minval under
-        MINVAL). convert freezes them into buffers.
-    grad_factor: the learnable qparams' gradient scale; None: LSQ's
-        1 / sqrt(block_numel * quant_max) per block, block_numel that
-        block's own element count (a ragged last block has fewer).
+    Args:
+        format: an IntFormat (INT8, UINT8, INT4, IntFormat(bits, signed)) or a
+            FloatFormat (FP8_E4M3, FP8_E5M2, FP4_E2M1, MXFP8_E4M3, MXFP8_E5M2,
+            MXFP4, NVFP4).
+        granularity: PerTensor(), PerChannel(axis), PerGroup(size, axis),
+            PerBlock(block), PerToken(). MX formats need PerGroup(32, axis),
+            NVFP4 PerGroup(16, axis).
+        scheme: SYMMETRIC, SYMMETRIC_NARROW, SYMMETRIC_NO_CLIP or ASYMMETRIC
+            (integer formats; pt2e_fq.schemes); float formats are SYMMETRIC.
+        formulation: ZP or MINVAL (MINVAL: integer, ASYMMETRIC only).
+        observer: how the range is found; None picks MinMaxObserver() for a
+            static point and CurrentMinMaxObserver() for a dynamic one.
+        dynamic: qparams from the live tensor at every call (no stored state).
+        learnable: learned ranges (LSQ / LSQ+; integer formats, static points):
+            the observer sets the qparams while it is on, as for a static
+            point; they are nn.Parameters that the optimizer trains when it is
+            off (scale; a floating zero point under ASYMMETRIC ZP; minval under
+            MINVAL). convert freezes them into buffers.
+        grad_factor: the learnable qparams' gradient scale; None: LSQ's
+            1 / sqrt(block_numel * quant_max) per block, block_numel that
+            block's own element count (a ragged last block has fewer).
+
+    Raises:
+        TypeError: a field of the wrong type (format, granularity, observer, flags).
+        ValueError: a combination the backend cannot run (MINVAL without ASYMMETRIC, an MX format without
+            its block, learnable on a float format or a dynamic point, ...): the message names the field.
     """
 
     format: Format = INT8

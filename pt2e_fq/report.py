@@ -289,7 +289,20 @@ def report(model, example_inputs=None, *, file=sys.stdout) -> Report:
     example_inputs with every observer off, or a program (an ExportedProgram,
     e.g. from pt2e_fq.load; example_inputs default to the ones saved with
     it), and reports each fake-quant point (see the module docstring).
-    Prints the table to `file` (None: silent)."""
+    Prints the table to `file` (None: silent).
+
+    Args:
+        model: a prepared or converted GraphModule, or an ExportedProgram.
+        example_inputs: a tensor or a tuple of positional arguments (optional for a program).
+        file: where the table is printed; None prints nothing.
+
+    Returns:
+        The Report: one row per fake-quant point (role, format, qparams, clipped share, SQNR) and the weight bytes.
+
+    Raises:
+        TypeError: model is neither a GraphModule nor an ExportedProgram, or a GraphModule comes without
+            example_inputs.
+    """
     if isinstance(model, torch.export.ExportedProgram):
         return _report_program(model, example_inputs, file)
     if not isinstance(model, torch.fx.GraphModule):

@@ -72,7 +72,17 @@ FILE_SUFFIXES = (".yaml", ".yml", ".json")
 
 @dataclass(frozen=True)
 class OpConfig:
-    """The QSpecs of one op's tensors; None leaves that tensor in float."""
+    """The QSpecs of one op's tensors; None leaves that tensor in float.
+
+    Args:
+        input_activation: the QSpec of the op's activation inputs.
+        weight: the QSpec of its weight.
+        bias: the QSpec of its bias.
+        output_activation: the QSpec of its output.
+
+    Raises:
+        TypeError: a field that is not a QSpec or None.
+    """
 
     input_activation: Optional[QSpec] = None
     weight: Optional[QSpec] = None
@@ -149,7 +159,19 @@ class Resolution:
 
 
 class QuantizerConfig:
-    """Global, op-type, module-type and module-name op configs; see the module doc."""
+    """Global, op-type, module-type and module-name op configs; see the module doc.
+
+    Args:
+        global_config: the OpConfig of every supported op no more specific entry names; None: float.
+        model_output: quantize the model's outputs where an op config gives them an output point.
+        fuse_conv_add: a conv2d whose output goes only into a residual add keeps it float, the add's
+            other input and output quantized (Inductor's conv-add-relu in one int8 call).
+        fuse_activations: the activations quantized together with the op before them.
+
+    Raises:
+        TypeError: global_config not an OpConfig or None, a flag not a bool, fuse_activations not a list.
+        ConfigError: an unknown activation name.
+    """
 
     def __init__(self, global_config: Optional[OpConfig] = None, model_output: bool = False,
                  fuse_conv_add: bool = False, fuse_activations: Sequence[str] = tuple(ACTIVATIONS)):

@@ -65,7 +65,16 @@ def _shape_text(shape) -> str:
 class FakeQuantQuantizer(Quantizer):
     """Annotates linear, conv, conv_transpose, matmul/bmm/mm, addmm and
     einsum linears, embedding, add, mul, cat and stack nodes as `config` says (see quantizers.patterns for
-    the patterns and quantizers.plan for how points are shared)."""
+    the patterns and quantizers.plan for how points are shared).
+
+    Args:
+        config: what to quantize and how (presets.get_preset(name) gives one).
+
+    Raises:
+        TypeError: config is not a QuantizerConfig.
+        UnsupportedQuantizationError: (from validate, which torchao's prepare calls) a point the backend
+            cannot run, with its node and module.
+    """
 
     def __init__(self, config: QuantizerConfig):
         super().__init__()

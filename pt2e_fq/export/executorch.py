@@ -71,7 +71,24 @@ def to_executorch(
     (`Dim("batch", min=1, max=64)`): ExecuTorch plans the file's memory for
     it, and the program then runs every size from min to max. Give an
     example of size 2 or more there: ExecuTorch narrows the range of a
-    dimension whose example is 1 (an error here)."""
+    dimension whose example is 1 (an error here).
+
+    Args:
+        model_or_program: a converted model (a GraphModule from convert_pt2e) or an ExportedProgram of one.
+        example_inputs: a tensor or a tuple of positional arguments.
+        path: the `.pte` file to write.
+        dynamic_shapes: as torch.export takes them; every dynamic dimension with a max.
+        unsupported: "error" or "float" (see to_qdq; "keep" is refused).
+
+    Returns:
+        The PteExport: the path, the points lowered, the weights kept in float, the XNNPACK delegation.
+
+    Raises:
+        ImportError: the `executorch` extra is not installed.
+        ValueError: unsupported="keep", or a dynamic dimension without a max or narrowed by its example.
+        UnsupportedPointError: a point XNNPACK cannot take, with unsupported="error".
+        pt2e_fq.files.WriteError: the file cannot be written.
+    """
     require_executorch()
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.devtools.backend_debug import get_delegation_info

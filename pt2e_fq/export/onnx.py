@@ -155,6 +155,24 @@ def to_onnx(
     torch.export's. The file is written without external data, and
     replaces `path` only once it is complete; a failed write is a
     pt2e_fq.files.WriteError.
+
+    Args:
+        model: a converted model or an ExportedProgram of one.
+        example_inputs: a tensor or a tuple of positional arguments.
+        path: the `.onnx` file to write.
+        opset: the ONNX opset, from 21 to the newest the installed onnx defines.
+        dynamic_shapes: as torch.export takes them (the export before prepare must declare the same dimensions).
+        fold_bn: fold the QAT conv-bn patterns (True) or keep them.
+
+    Returns:
+        The torch.onnx.ONNXProgram.
+
+    Raises:
+        ImportError: the `onnx` extra is not installed.
+        ValueError: a bad opset, a point not converted or with non-finite qparams, or a model that torchao's
+            eval switch changed (call pt2e_fq.move_exported_model_to_eval).
+        NotImplementedError: an E2M1 format (FP4, MXFP4, NVFP4), or the clamp mask used in the graph.
+        pt2e_fq.files.WriteError: the file cannot be written.
     """
     require_onnx()
     from .onnx_qdq import translation_table

@@ -584,6 +584,19 @@ def check_onnx(path: Union[str, os.PathLike], model, inputs, *, atol: Optional[f
 
     Raises AssertionError on a mismatch; returns the measured OnnxCheck
     (print it for the table of every output).
+
+    Args:
+        path: the ONNX file to_onnx wrote.
+        model: the converted model (or ExportedProgram) it was exported from.
+        inputs: a tensor or a tuple of positional arguments.
+        atol: where given, the largest difference allowed in every output.
+
+    Returns:
+        The OnnxCheck: per output, the elements that differ, max and RMS difference in steps, SQNR.
+
+    Raises:
+        ImportError: the `onnx` extra is not installed.
+        AssertionError: a point or an output differs beyond what is allowed; the message says where.
     """
     require_onnx()
     import onnx

@@ -39,7 +39,23 @@ def save(
     """Exports a converted model (or takes an ExportedProgram), folds its QAT
     conv-bn patterns unless fold_bn=False, saves it to `path` (.pt2) and
     returns the saved program. The file is replaced only once it is
-    complete; a failed write is a pt2e_fq.files.WriteError."""
+    complete; a failed write is a pt2e_fq.files.WriteError.
+
+    Args:
+        model_or_program: a converted model (a GraphModule from convert_pt2e) or an ExportedProgram of one.
+        example_inputs: a tensor or a tuple of positional arguments.
+        path: the `.pt2` file to write.
+        dynamic_shapes: as torch.export takes them (the export before prepare must declare the same dimensions).
+        fold_bn: fold the QAT conv-bn patterns (True) or keep them.
+
+    Returns:
+        The saved torch.export.ExportedProgram.
+
+    Raises:
+        ValueError: a point is not converted, has non-finite qparams, or an input or output type cannot be loaded
+            by name; or torchao's eval switch changed the model (call pt2e_fq.move_exported_model_to_eval).
+        pt2e_fq.files.WriteError: the file cannot be written; a file already at `path` is left as it was.
+    """
     check_writable(path)  # before the export's work
     check_eval_mode(model_or_program, "save")
     ep = exported_program(model_or_program, example_inputs, dynamic_shapes=dynamic_shapes, fold_bn=fold_bn)
@@ -59,7 +75,18 @@ def load(path: Union[str, os.PathLike]) -> torch.export.ExportedProgram:
     `.module()` on the result to run it. The modules that define the
     program's input and output types (a transformers ModelOutput) are
     imported by name first; installed modules only, nothing from the file
-    is executed."""
+    is executed.
+
+    Args:
+        path: a `.pt2` file.
+
+    Returns:
+        The torch.export.ExportedProgram; `.module()` runs it.
+
+    Raises:
+        ImportError: the module defining an input or output type of the program cannot be imported, or does
+            not register that type.
+    """
     _register_archive_types(path)
     return torch.export.load(path)
 

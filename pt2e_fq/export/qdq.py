@@ -486,7 +486,23 @@ def to_qdq(
     our op) or "float" (store such a weight as its fake-quantized floats),
     which warn with the list. dynamic_shapes is torch.export's;
     for a program it defaults to the program's own dynamic dimensions.
-    With summary=True returns (program, QdqSummary)."""
+    With summary=True returns (program, QdqSummary).
+
+    Args:
+        model_or_program: a converted model (a GraphModule from convert_pt2e) or an ExportedProgram of one.
+        example_inputs: a tensor or a tuple of positional arguments.
+        dynamic_shapes: as torch.export takes them (the export before prepare must declare the same dimensions).
+        target: "generic", "xnnpack" or "x86_inductor".
+        unsupported: "error", "keep" or "float": what to do with a point the target cannot take.
+        summary: also return the QdqSummary.
+
+    Returns:
+        The ExportedProgram of quantize / dequantize ops, or (program, QdqSummary) with summary=True.
+
+    Raises:
+        ValueError: an unknown target or unsupported, or a point with non-finite qparams.
+        UnsupportedPointError: a point the target cannot take, with unsupported="error".
+    """
     _check_choice("target", target, TARGETS)
     _check_choice("unsupported", unsupported, UNSUPPORTED)
     args = as_args(example_inputs)
