@@ -91,7 +91,7 @@ def page(names) -> str:
         if not callable(obj) and not inspect.ismodule(obj):
             lines += [f"`{name} = {obj!r}`", ""]
             continue
-        lines += ["```python", _signature(name, obj), "```", ""]
+        lines += ["```", _signature(name, obj), "```", ""]  # a signature, not a runnable block
         lines += [inspect.getdoc(obj) or "", ""]
     return "\n".join(lines).rstrip() + "\n"
 

@@ -87,3 +87,44 @@ def test_the_user_guide_s_dynamic_batch_files_take_any_batch_size(tmp_path, monk
             assert torch.equal(loaded(xb), converted(xb)), size
         # w8a8: the input, the relu into the second linear, 2 weights; the logits stay float (quantizers.presets).
         assert check_onnx(tmp_path / "model.onnx", converted, (xb,)).points == 4
+
+
+def test_make_docs_names_a_public_callable_without_its_sections():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gen_api", ROOT / "docs" / "gen_api.py")
+    gen_api = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen_api)
+
+    def bare(x):
+        """Does something."""
+
+    def documented(x):
+        """Does something.
+
+        Args:
+            x: a value.
+
+        Returns:
+            Nothing useful.
+
+        Raises:
+            ValueError: never.
+        """
+
+    class Configured:
+        """A class.
+
+        Args:
+            size: how big.
+        """
+
+        def __init__(self, size):
+            self.size = size
+
+    assert gen_api.missing(bare) == ["Args:", "Returns:", "Raises:"]
+    assert gen_api.missing(documented) == []
+    assert gen_api.missing(Configured) == []
+    assert gen_api.missing(type("Undocumented", (), {"__init__": lambda self, n: None})) == ["a docstring"]
+    assert gen_api.missing(ValueError) == []  # exceptions and enumerations need a docstring only
+    assert all(not gen_api.missing(obj) for _, obj in gen_api.public_names())  # what make docs checks
