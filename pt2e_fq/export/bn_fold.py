@@ -137,7 +137,7 @@ def fold_conv_bn(gm: torch.fx.GraphModule) -> int:
         if training:
             raise ValueError(
                 f"fold_conv_bn: batch_norm {bn.name} after {conv.name} is in training mode; call "
-                "torchao.quantization.pt2e.move_exported_model_to_eval(model) before exporting"
+                "pt2e_fq.move_exported_model_to_eval(model) before exporting"
             )
         with torch.no_grad():
             w_fold = _evaluate(gm, scaled)
