@@ -419,7 +419,18 @@ class FakeQuantize(FakeQuantizeBase):
 
     def convert(self, model: torch.fx.GraphModule, observer_node: torch.fx.Node) -> None:
         """convert_pt2e calls this for every point instead of rewriting it into
-        q/dq ops. The node stays; the module freezes."""
+        q/dq ops. The node stays; the module freezes.
+
+        Args:
+            model: the GraphModule torchao's convert_pt2e converts.
+            observer_node: this module's call_module node (kept).
+
+        Raises:
+            UncalibratedError: a point never saw data.
+            NonFiniteQParamsError: a point's qparams are NaN or infinite.
+            ValueError: torchao's eval switch left the model different from its float model
+                (pt2e_fq.eval_mode.check_eval_mode names what and the function to call).
+        """
         if not any(isinstance(m, FakeQuantize) and m.is_frozen for m in model.modules()):
             # The first point converted checks every point (a sync per qparam
             # tensor); those after it were checked with it.
