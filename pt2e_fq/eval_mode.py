@@ -106,7 +106,9 @@ def masked_products(gm: torch.fx.GraphModule, noise: set[torch.fx.Node]) -> list
 
 def is_eval(gm: torch.nn.Module) -> bool:
     """Whether an exported model was switched to eval mode (by torchao's
-    move_exported_model_to_eval or ours: both set torchao's flag)."""
+    move_exported_model_to_eval or ours: both set torchao's flag, an
+    attribute of the GraphModule that copy.deepcopy does not carry; the
+    batch norms' record is in `meta`, which it does)."""
     return getattr(gm, _EXPORTED_TRAINING_ATTR, True) is False
 
 

@@ -14,9 +14,10 @@ import copy
 import pytest
 import torch
 import torchao.quantization.pt2e as tao
-from flow_models import EPS, MOMENTUM, batch_norm_literals, batches, build, calibrate, qat_prepared
+from flow_models import EPS, MOMENTUM, batch_norm_literals, batches, build, calibrate, qat_prepared, quantizer
 from quantizer_models import single_thread  # noqa: F401 (an autouse fixture)
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e as torchao_convert_pt2e
+from torchao.quantization.pt2e.quantize_pt2e import prepare_qat_pt2e
 
 import pt2e_fq
 from pt2e_fq.eval_mode import SDPA, sdpa_dropout_p
@@ -112,3 +113,31 @@ def test_save_takes_the_repaired_model(switched_after_convert, tmp_path):
     pt2e_fq.save(repaired, x, tmp_path / "m.pt2")
     with torch.no_grad():
         torch.testing.assert_close(pt2e_fq.load(tmp_path / "m.pt2").module()(x), repaired(x), rtol=1e-4, atol=1e-4)
+
+
+class StochasticDepth(torch.nn.Module):
+    """torchvision.ops.StochasticDepth's "row" mode: x * bernoulli(keep) / keep in training."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if not self.training:
+            return x + h
+        noise = torch.empty([x.shape[0], 1], dtype=x.dtype).bernoulli_(0.8).div_(0.8)
+        return x + h * noise
+
+
+def test_convert_refuses_a_stochastic_depth_mask_left_by_torchao_s_switch():
+    x = torch.randn(4, 8)
+    gm = torch.export.export(StochasticDepth().train(), (x,)).module()
+    prepared = prepare_qat_pt2e(gm, quantizer())
+    tao.move_exported_model_to_eval(prepared)
+    calibrate(prepared, [x])
+    with pytest.raises(ValueError, match=r"multiplies by a random mask \(stochastic depth\)"):
+        pt2e_fq.convert_pt2e(prepared)  # the model itself: a deep copy loses torchao's eval-mode flag
+    converted = pt2e_fq.convert_pt2e(pt2e_fq.move_exported_model_to_eval(prepared))
+    with torch.no_grad():
+        assert torch.equal(converted(x), converted(x))  # deterministic
