@@ -5,7 +5,7 @@
                      [--calib-data batches.pt] [--qat-steps N] [--static-batch] [--out model.pt2] [--onnx model.onnx]
                      [--target fake_quant|generic|xnnpack|x86_inductor] [--pte model.pte]
                      [--unsupported error|keep|float]
-    pt2e-fq report model.pt2
+    pt2e-fq report model.pt2 [--trusted-module MODULE ...]
 
 A bad argument is a one-line error naming it and what is allowed, with exit
 status 2, found before any work where it can be (the output paths too); any
@@ -144,6 +144,9 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("path", metavar="FILE.pt2")
     report.add_argument("--example-input", metavar="SHAPES|FILE.pt",
                         help="inputs to run it on, as for quantize (default: the example inputs saved in the file)")
+    report.add_argument("--trusted-module", action="append", default=[], metavar="MODULE",
+                        help="a module to import if the file names a type of it (pt2e_fq.load's trusted_modules; "
+                             "repeatable); importing runs the module's code, so name only modules you trust")
     return parser
 
 
@@ -463,8 +466,12 @@ def cmd_report(args) -> int:
         raise UsageError(f"FILE.pt2: expected a .pt2 file name, got {args.path!r}")
     if not Path(args.path).is_file():
         raise UsageError(f"no such file {args.path!r}")
+    for module in args.trusted_module:
+        if not _DOTTED.match(module):
+            raise UsageError(f"--trusted-module: {module!r} is not a module name; give an exact dotted name "
+                             "such as mypackage.outputs")
     example = example_inputs(args.example_input) if args.example_input else None
-    from ..export import load
+    from ..export import UntrustedModuleError, load
     from ..report import report
 
     if not zipfile.is_zipfile(args.path):
@@ -473,7 +480,10 @@ def cmd_report(args) -> int:
     level = export_log.level
     export_log.setLevel(logging.CRITICAL)  # torch.export.load logs a traceback before it raises
     try:
-        program = load(args.path)
+        program = load(args.path, trusted_modules=args.trusted_module)
+    except UntrustedModuleError as e:
+        raise UsageError(f"{args.path!r} takes or returns a {e.type_name}, whose module {e.module!r} is not "
+                         f"trusted, so it was not imported; if you trust it, add --trusted-module {e.module}") from None
     except Exception as e:  # not a torch.export archive, or from another torch
         raise UsageError(f"cannot load {args.path!r} as a torch.export program: "
                          f"{type(e).__name__}: {_first_line(e)}") from None

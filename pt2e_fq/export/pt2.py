@@ -4,7 +4,9 @@ A saved program holds one torch.ops.pt2e_fq node per quantization point with
 its qparams as buffers. Loading it needs the pt2e_fq operators registered,
 which `import pt2e_fq` does; `load` is torch.export.load after that import
 and after importing the modules that register the program's input and
-output types (a transformers ModelOutput, say) as pytree nodes.
+output types (a transformers ModelOutput, say) as pytree nodes: only
+modules on TRUSTED_MODULES or named by the caller, never one because the
+file names it (importing a module runs its code).
 The file is written atomically (files.py): a failed write leaves any file
 already at the path as it was.
 """
@@ -17,6 +19,8 @@ import io
 import json
 import os
 import zipfile
+import re
+from collections.abc import Iterable
 from typing import Any, Iterator, Optional, Union
 
 import torch
@@ -25,6 +29,17 @@ import torch.utils._pytree as pytree
 from ..files import atomic_write, check_writable
 from ..report import check_finite_qparams
 from .program import exported_program
+
+# The modules `load` imports when a file names a pytree type of theirs that
+# is not registered yet: exact names, each the home of transformers
+# ModelOutput types (a ModelOutput subclass registers itself as a pytree
+# node, under "<its module>.<its name>", when its module is imported).
+TRUSTED_MODULES = frozenset({
+    "transformers.modeling_outputs",
+    "transformers.models.bert.modeling_bert",
+    "transformers.models.gpt2.modeling_gpt2",
+})
+_DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 
 def save(
@@ -52,14 +67,37 @@ def save(
     return ep
 
 
-def load(path: Union[str, os.PathLike]) -> torch.export.ExportedProgram:
+def load(path: Union[str, os.PathLike], *, trusted_modules: Iterable[str] = ()) -> torch.export.ExportedProgram:
     """Loads a `.pt2` file saved by `save` (or torch.export.save); call
-    `.module()` on the result to run it. The modules that define the
-    program's input and output types (a transformers ModelOutput) are
-    imported by name first; installed modules only, nothing from the file
-    is executed."""
-    _register_archive_types(path)
+    `.module()` on the result to run it.
+
+    The file names the pytree types of the program's inputs and outputs (a
+    transformers ModelOutput, say), which must be registered before
+    torch.export.load. A type not registered yet is registered by importing
+    its module, only where that module is on TRUSTED_MODULES (exact names:
+    transformers.modeling_outputs and the transformers model modules
+    pt2e_fq supports) or in `trusted_modules` (exact module names the
+    caller trusts, e.g. ["mypackage.outputs"]); any other is an
+    UntrustedModuleError naming the type and the file, before anything is
+    imported or loaded. So nothing the file names is executed unless you
+    said so; importing the module yourself before load also does."""
+    trusted = _trusted_modules(trusted_modules)
+    _register_archive_types(path, trusted)
     return torch.export.load(path)
+
+
+class UntrustedModuleError(ImportError):
+    """A .pt2 file names a pytree type whose module is not trusted: neither
+    on TRUSTED_MODULES nor in load's `trusted_modules`, nor imported yet.
+    `type_name` is the name in the file, `module` its module part."""
+
+    def __init__(self, path, type_name: str, module: str):
+        self.path, self.type_name, self.module = os.fspath(path), type_name, module
+        super().__init__(
+            f"load: {self.path!r} takes or returns a {type_name}, whose module {module!r} is not trusted, so it "
+            f"was not imported (importing runs its code); if you trust it, pass "
+            f"load(path, trusted_modules=[{module!r}]) or import it before load"
+        )
 
 
 # -- pytree types of a program's inputs and outputs -----------------------------------
@@ -148,10 +186,28 @@ def _archive_type_names(path) -> set[str]:
     return names
 
 
-def _register_archive_types(path) -> None:
-    for name in sorted(_archive_type_names(path)):
-        if name in pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE:
-            continue
+def _trusted_modules(names: Iterable[str]) -> frozenset[str]:
+    """TRUSTED_MODULES and the caller's exact module names, each checked."""
+    if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
+        raise TypeError(f"load: trusted_modules must be a list of module names, got {type(names).__name__} {names!r}")
+    names = list(names)
+    for name in names:
+        if not (isinstance(name, str) and _DOTTED.match(name)):
+            raise ValueError(f"load: trusted_modules: {name!r} is not a module name; give exact dotted names such as "
+                             "'mypackage.outputs'")
+    return TRUSTED_MODULES | frozenset(names)
+
+
+def _register_archive_types(path, trusted: frozenset[str]) -> None:
+    """Imports the trusted module of each type the file names that is not
+    registered yet; an UntrustedModuleError, before any import, for a
+    module that is not trusted."""
+    missing = sorted(n for n in _archive_type_names(path) if n not in pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE)
+    for name in missing:
+        module = name.rpartition(".")[0]
+        if module not in trusted:
+            raise UntrustedModuleError(path, name, module)
+    for name in missing:
         module = name.rpartition(".")[0]
         try:
             importlib.import_module(module)
