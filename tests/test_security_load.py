@@ -210,3 +210,25 @@ def test_the_cli_refuses_a_trusted_module_that_is_not_a_module_name(beside_evil,
     assert capsys.readouterr().err.splitlines() == [
         "pt2e-fq report: error: --trusted-module: '..evil' is not a module name; give an exact dotted name such as "
         "mypackage.outputs"]
+
+
+@pytest.mark.parametrize("spec, old, new", [("out_spec", "builtins.tuple", "..x.Y"), ("out_spec", "builtins.tuple", "Y"),
+                                            ("in_spec", "builtins.dict", "x..Y")])
+def test_a_type_name_that_is_not_a_dotted_name_is_an_error_naming_the_file_and_the_field(saved, tmp_path, spec, old,
+                                                                                           new):
+    path = _retyped(saved, tmp_path / "bad.pt2", spec, old, new)
+    message = (f"load: {str(path)!r}: archive/models/model.json: {spec} names the pytree type {new!r}, which is "
+               "neither registered nor a dotted name module.Type; the file is damaged or was not written by "
+               "torch.export.save")
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        pt2e_fq.load(path)
+
+
+def test_a_model_description_that_is_not_json_is_an_error_naming_the_file_and_the_member(saved, tmp_path):
+    path = tmp_path / "bad.pt2"
+    with zipfile.ZipFile(saved) as archive, zipfile.ZipFile(path, "w") as out:
+        for info in archive.infolist():
+            out.writestr(info, b"{not json" if info.filename.endswith("/models/model.json") else archive.read(info))
+    with pytest.raises(ValueError, match="^" + re.escape(f"load: {str(path)!r}: archive/models/model.json is not a "
+                                                         "torch.export model description (JSONDecodeError: ")):
+        pt2e_fq.load(path)

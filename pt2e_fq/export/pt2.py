@@ -19,7 +19,6 @@ import io
 import json
 import os
 import zipfile
-import re
 from collections.abc import Iterable
 from typing import Any, Iterator, Optional, Union
 
@@ -39,7 +38,6 @@ TRUSTED_MODULES = frozenset({
     "transformers.models.bert.modeling_bert",
     "transformers.models.gpt2.modeling_gpt2",
 })
-_DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 
 def save(
@@ -153,37 +151,46 @@ def _importable(module: str) -> bool:
         return False
 
 
-def _archive_type_names(path) -> set[str]:
+def _archive_type_names(path) -> dict[str, str]:
     """The serialized pytree type names in a .pt2 archive's module call
-    graphs: the "type" of every node of each "in_spec" / "out_spec" (JSON
-    strings in the archive's models/*.json). A file that is not such an
-    archive names none (torch.export.load then says what is wrong)."""
+    graphs, each with where it is first found ("<member>: <field>"): the
+    "type" of every node of each "in_spec" / "out_spec" (JSON strings in the
+    archive's models/*.json). A file that is not such an archive names none
+    (torch.export.load then says what is wrong)."""
     if not zipfile.is_zipfile(path):
-        return set()
-    names: set[str] = set()
+        return {}
+    names: dict[str, str] = {}
 
-    def walk(value):
+    def walk(value, member):
         if isinstance(value, dict):
             for key, item in value.items():
                 if key in ("in_spec", "out_spec") and isinstance(item, str):
-                    walk_spec(json.loads(item)[1])  # [protocol version, root node]
+                    walk_spec(json.loads(item)[1], f"{member}: {key}")  # [protocol version, root node]
                 else:
-                    walk(item)
+                    walk(item, member)
         elif isinstance(value, list):
             for item in value:
-                walk(item)
+                walk(item, member)
 
-    def walk_spec(node):
+    def walk_spec(node, where):
         if node.get("type"):
-            names.add(node["type"])
+            names.setdefault(node["type"], where)
         for child in node.get("children_spec", ()):
-            walk_spec(child)
+            walk_spec(child, where)
 
     with zipfile.ZipFile(path) as archive:
         for member in archive.namelist():
             if "/models/" in member and member.endswith(".json"):
-                walk(json.loads(archive.read(member)))
+                try:
+                    walk(json.loads(archive.read(member)), member)
+                except (ValueError, TypeError, AttributeError, IndexError) as e:  # bad JSON, or a spec of another shape
+                    raise ValueError(f"load: {os.fspath(path)!r}: {member} is not a torch.export model description "
+                                     f"({type(e).__name__}: {e})") from None
     return names
+
+
+def _is_dotted(name: str) -> bool:
+    return all(part.isidentifier() for part in name.split("."))
 
 
 def _trusted_modules(names: Iterable[str]) -> frozenset[str]:
@@ -192,7 +199,7 @@ def _trusted_modules(names: Iterable[str]) -> frozenset[str]:
         raise TypeError(f"load: trusted_modules must be a list of module names, got {type(names).__name__} {names!r}")
     names = list(names)
     for name in names:
-        if not (isinstance(name, str) and _DOTTED.match(name)):
+        if not (isinstance(name, str) and _is_dotted(name)):
             raise ValueError(f"load: trusted_modules: {name!r} is not a module name; give exact dotted names such as "
                              "'mypackage.outputs'")
     return TRUSTED_MODULES | frozenset(names)
@@ -202,9 +209,16 @@ def _register_archive_types(path, trusted: frozenset[str]) -> None:
     """Imports the trusted module of each type the file names that is not
     registered yet; an UntrustedModuleError, before any import, for a
     module that is not trusted."""
-    missing = sorted(n for n in _archive_type_names(path) if n not in pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE)
+    names = _archive_type_names(path)
+    missing = sorted(n for n in names if n not in pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE)
     for name in missing:
         module = name.rpartition(".")[0]
+        if not (module and _is_dotted(name)):
+            raise ValueError(
+                f"load: {os.fspath(path)!r}: {names[name]} names the pytree type {name!r}, which is neither "
+                "registered nor a dotted name module.Type; the file is damaged or was not written by "
+                "torch.export.save"
+            )
         if module not in trusted:
             raise UntrustedModuleError(path, name, module)
     for name in missing:
