@@ -88,6 +88,10 @@ def check_lowered(lowered, model, inputs) -> LoweredCheck:
     that differ and the largest difference in quantization steps. `.ok`
     says whether every quantized output is within one step."""
     args = as_args(inputs)
+    if isinstance(lowered, (str, os.PathLike)):
+        from .executorch import check_pte_file
+
+        check_pte_file("check_lowered", lowered)  # before the export's work
     ep = exported_program(model, args)
     with torch.no_grad():
         ours = [t.detach() for t in tree_leaves(ep.module()(*args))]
