@@ -36,6 +36,9 @@ _SHAPE = re.compile(r"^\d+(x\d+)*$")
 _DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 # torch.load(weights_only=True) refusing a class: "Unsupported global: GLOBAL mymod.Foo was not ..."
 _UNSUPPORTED_GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)")
+# Its other refusals: "Weights only load failed. ... Re-running `torch.load` with `weights_only` set to `False`
+# will likely succeed ... WeightsUnpickler error: <the reason>".
+_WEIGHTS_UNPICKLER_ERROR = re.compile(r"WeightsUnpickler error:\s*(\S[^\n]*)")
 
 
 class UsageError(Exception):
@@ -194,16 +197,36 @@ def _load_pt(flag: str, path: str):
 
     if not Path(path).is_file():
         raise UsageError(f"{flag}: no such file {path!r}")
+    if not _is_torch_file(path):
+        raise UsageError(f"{flag}: {path!r} is not a torch file (torch.save writes a zip archive; this file is not "
+                         "one, or is damaged); save the inputs with torch.save")
     try:
         return torch.load(path, weights_only=True)
-    except Exception as e:  # pickle errors, not a torch file, ...
+    except Exception as e:  # a class the safe loader refuses, a damaged archive, ...
         # torch's message suggests weights_only=False, which would run code from the file: name what it holds.
         unsupported = _UNSUPPORTED_GLOBAL.search(str(e))
         if unsupported:
             raise UsageError(f"{flag}: {path!r} holds a {unsupported[1]}; the file may hold only tensors, in tuples, "
                              "lists or dicts (it is read with torch.load(weights_only=True), which runs no code "
                              "from it)") from None
-        raise UsageError(f"{flag}: cannot load {path!r} with torch.load(weights_only=True): {_first_line(e)}") from None
+        refused = _WEIGHTS_UNPICKLER_ERROR.search(str(e))
+        reason = refused[1] if refused else _first_line(e)
+        raise UsageError(f"{flag}: cannot load {path!r} with torch.load(weights_only=True), which runs no code from "
+                         f"the file: {reason}") from None
+
+
+def _is_torch_file(path: str) -> bool:
+    """What torch.save writes: a zip archive, or in its legacy format
+    (_use_new_zipfile_serialization=False) a pickle of its magic number first."""
+    import pickle
+
+    import torch.serialization
+
+    if zipfile.is_zipfile(path):
+        return True
+    legacy = pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=torch.serialization.DEFAULT_PROTOCOL)
+    with open(path, "rb") as f:
+        return f.read(len(legacy)) == legacy
 
 
 def _model_args(flag: str, path: str, value) -> tuple:
