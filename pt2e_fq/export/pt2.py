@@ -13,6 +13,7 @@ already at the path as it was.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import io
@@ -60,9 +61,37 @@ def save(
         # Serialized in memory first: torch's C++ archive writer aborts the
         # whole process (SIGABRT) when a write to disk fails, e.g. on a full disk.
         buffer = io.BytesIO()
-        torch.export.save(ep, buffer)
+        with _compact_tensors(ep):
+            torch.export.save(ep, buffer)
         temporary.write_bytes(buffer.getvalue())
     return ep
+
+
+def _compact(value):
+    """A tensor whose storage holds more than its own elements (a slice, a
+    torch.split piece of a calibration batch) as a copy holding only them;
+    anything else as it is."""
+    if not isinstance(value, torch.Tensor) or value.untyped_storage().nbytes() <= value.numel() * value.element_size():
+        return value
+    copy = value.detach().clone()  # a dense piece keeps its strides, a strided slice comes out contiguous
+    return torch.nn.Parameter(copy, requires_grad=value.requires_grad) if isinstance(value, torch.nn.Parameter) else copy
+
+
+@contextlib.contextmanager
+def _compact_tensors(ep: torch.export.ExportedProgram) -> Iterator[None]:
+    """torch.export.save writes the whole storage behind each tensor it
+    saves: inside this block, the program's example inputs, parameters,
+    buffers and constants are compact copies where they are views into
+    larger storages. The program is given back as it was."""
+    kept = ep._example_inputs, ep._state_dict, ep._constants
+    try:
+        if ep._example_inputs is not None:
+            ep._example_inputs = pytree.tree_map(_compact, ep._example_inputs)
+        ep._state_dict = {name: _compact(t) for name, t in ep._state_dict.items()}
+        ep._constants = {name: _compact(t) for name, t in ep._constants.items()}
+        yield
+    finally:
+        ep._example_inputs, ep._state_dict, ep._constants = kept
 
 
 def load(path: Union[str, os.PathLike], *, trusted_modules: Iterable[str] = ()) -> torch.export.ExportedProgram:
