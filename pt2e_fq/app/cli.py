@@ -470,7 +470,9 @@ def cmd_quantize(args) -> int:
         save(program, example, args.out, dynamic_shapes=batch)
         print(f"saved {args.out} ({Path(args.out).stat().st_size:,} bytes); load it with pt2e_fq.load")
         if args.target != "fake_quant":
-            print(f"{args.target} q/dq program against the fake-quant graph:\n{check_lowered(program, converted, example)}")
+            check = check_lowered(program, converted, example)
+            print(f"{args.target} q/dq program against the fake-quant graph:\n{check}")
+            _check_passed(check, f"the {args.target} q/dq program in {args.out}")
     if args.onnx:
         to_onnx(converted, example, args.onnx, dynamic_shapes=batch)
         check = check_onnx(args.onnx, converted, example)
@@ -480,8 +482,22 @@ def cmd_quantize(args) -> int:
         # ExecuTorch plans its memory for the example's shapes: the .pte takes that batch size.
         result = to_executorch(converted, example, args.pte, unsupported=args.unsupported)
         print(f"saved {result}")
-        print(f"ExecuTorch against the fake-quant graph:\n{check_lowered(args.pte, converted, example)}")
+        check = check_lowered(args.pte, converted, example)
+        print(f"ExecuTorch against the fake-quant graph:\n{check}")
+        _check_passed(check, f"the ExecuTorch program {args.pte}")
     return 0
+
+
+class CheckFailed(Exception):
+    """A written file computes other values than the fake-quant graph:
+    reported as one line, exit status 1."""
+
+
+def _check_passed(check, what: str) -> None:
+    problems = check.problems()
+    if problems:
+        raise CheckFailed(f"{what} differs from the fake-quant graph: {'; '.join(problems)} (the file is written; "
+                          "the table above has each output)")
 
 
 def cmd_report(args) -> int:
@@ -530,7 +546,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except UsageError as e:
         print(f"{PROG} {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except WriteError as e:  # its message names the file and the reason; the type adds nothing
+    except (WriteError, CheckFailed) as e:  # its message names the file and the reason; the type adds nothing
         print(f"{PROG} {args.command}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
