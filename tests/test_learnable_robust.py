@@ -74,3 +74,50 @@ def test_any_scale_at_or_below_the_floor_is_the_floor_in_training_and_after_conv
     expected, _ = reference.fake_quantize_affine(x, (2, 16), torch.full((1, 1), EPS), None, -8, 7)
     assert_bits_equal(fq(x).detach(), expected)
     assert_bits_equal(_converted(fq)(x), expected)
+
+
+def _with_nonfinite(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x with a NaN, a +Inf and a -Inf in row 0 (one block per row), and the mask of those."""
+    x = x.clone()
+    x[0, 3], x[0, 10], x[0, 20] = float("nan"), float("inf"), float("-inf")
+    return x, ~torch.isfinite(x)
+
+
+@pytest.mark.parametrize("offset", ["symmetric", "asymmetric", "minval"])
+def test_nonfinite_input_elements_contribute_no_gradient(offset):
+    # The same gradients as the input whose non-finite elements get no
+    # upstream gradient: they add nothing to their block's d scale and d offset.
+    x, bad = _with_nonfinite(_x((3, 32), seed=2))
+    scale = torch.full((3, 1), 0.05)
+    zero_point = torch.tensor([[3.3], [-2.0], [0.4]]) if offset == "asymmetric" else None
+    minval = torch.tensor([[-1.5], [-2.0], [-1.0]]) if offset == "minval" else None
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))
+    dx, dscale, doffset = BACKWARD(dy, x, [1, 32], scale, zero_point, -8, 7, None, minval)
+    rdx, rdscale, rdoffset = BACKWARD(dy.masked_fill(bad, 0.0), x.masked_fill(bad, 0.0), [1, 32], scale,
+                                      zero_point, -8, 7, None, minval)
+    assert torch.isfinite(dscale).all() and torch.isfinite(doffset).all()
+    assert_bits_equal(dx, rdx.masked_fill(bad, 0.0))
+    torch.testing.assert_close(dscale, rdscale, rtol=1e-6, atol=0)
+    torch.testing.assert_close(doffset, rdoffset, rtol=1e-6, atol=0)
+    # And the float64 reference of the papers' formulas agrees.
+    ref = reference.fake_quantize_affine_learnable_grads(x, [1, 32], scale, zero_point, -8, 7, None, dy, minval)
+    torch.testing.assert_close(dscale.double(), ref[1], rtol=1e-4, atol=1e-7)
+    if offset != "symmetric":  # (with no offset the op's d offset is not a gradient of anything)
+        torch.testing.assert_close(doffset.double(), ref[2], rtol=1e-4, atol=1e-7)
+
+
+def test_one_nan_element_does_not_end_learnable_range_training():
+    # A masked row, a padded batch: one NaN in a training batch. The learned
+    # scale stays finite and training goes on.
+    clean = _x((4, 64), seed=4)
+    fq = _learning_point(q.QSpec(q.INT8, q.PerChannel(0), "asymmetric", learnable=True), clean)
+    opt = torch.optim.SGD(fq.parameters(), lr=1e-3)
+    for step in range(3):
+        x = _x((4, 64), seed=5 + step)
+        if step == 0:
+            x[2, 7] = float("nan")
+        opt.zero_grad()
+        (fq(x) - x.nan_to_num()).square().nansum().backward()
+        opt.step()
+        assert torch.isfinite(fq.scale).all(), f"step {step}: the learned scale became {fq.scale.view(-1).tolist()}"
+        assert torch.isfinite(fq.zero_point).all()
