@@ -5,8 +5,11 @@ point whose observer keeps a running range (MinMaxObserver,
 MovingAverageMinMaxObserver, HistogramObserver) all-reduces the per-block
 min and max of each batch over the process group before it updates that
 range, so N ranks calibrate exactly as one process on all their data, and
-every rank holds the same range and qparams at every step. One collective
-per point per observation: an all-reduce MIN of cat([lo, -hi]);
+every rank holds the same range and qparams at every step. Two collectives
+per point per observation: an all-gather of the batch range's shape (ranks
+whose inputs give ranges of different shapes then all raise, naming the
+point and the shapes, instead of aborting inside the all-reduce), then an
+all-reduce MIN of cat([lo, -hi]);
 HistogramObserver adds one, an all-reduce SUM of the batch's bin counts
 (binned over the reduced range, so the bins are the same on every rank).
 
