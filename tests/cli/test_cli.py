@@ -11,37 +11,37 @@ import sys
 import zipfile
 from pathlib import Path
 
-import cli_models
-from conftest import cli_main
+from tests.models import cli as cli_models
+from tests.conftest import cli_main
 import pytest
 import torch
-from quantizer_models import sqnr_db, single_thread  # noqa: F401 (an autouse fixture: one thread)
+from tests.models.quantizer import sqnr_db, single_thread  # noqa: F401 (an autouse fixture: one thread)
 
 import pt2e_fq
 from pt2e_fq.app import cli
 
-TESTS = Path(__file__).parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_cli(*args, script=False):
     """`python -m pt2e_fq ARGS` (script: the installed `pt2e-fq` console
-    script) in a fresh process, from the tests folder (so --model
-    cli_models:... imports)."""
+    script) in a fresh process, from the repository root (so --model
+    tests.models.cli:... imports)."""
     command = [str(Path(sys.executable).parent / "pt2e-fq")] if script else [sys.executable, "-m", "pt2e_fq"]
     env = dict(os.environ, PYTHONPATH="")
-    return subprocess.run([*command, *args], cwd=TESTS, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run([*command, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
-QUANTIZE = ["quantize", "--model", "cli_models:tiny_mlp", "--example-input", "8x16", "--no-progress"]
+QUANTIZE = ["quantize", "--model", "tests.models.cli:tiny_mlp", "--example-input", "8x16", "--no-progress"]
 
 
 @pytest.mark.parametrize(
     "script, args, status, message",
     [
-        (False, ["quantize", "--model", "cli_models:tiny_mlp", "--example-input", "8x16", "--preset", "w9"], 2,
+        (False, ["quantize", "--model", "tests.models.cli:tiny_mlp", "--example-input", "8x16", "--preset", "w9"], 2,
          "pt2e-fq quantize: error: --preset: unknown preset 'w9'; allowed: w8a8, w4a8, w4a16, w8a16, fp8, mxfp8"),
-        (True, ["quantize", "--model", "cli_models:tiny_mlp"], 2, "required: --example-input"),
-        (False, ["quantize", "--model", "cli_models:broken", "--example-input", "8x16", "--preset", "w8a8"], 1,
+        (True, ["quantize", "--model", "tests.models.cli:tiny_mlp"], 2, "required: --example-input"),
+        (False, ["quantize", "--model", "tests.models.cli:broken", "--example-input", "8x16", "--preset", "w8a8"], 1,
          "pt2e-fq quantize: error: RuntimeError: boom: the factory failed"),
     ],
     ids=["usage", "argparse-console-script", "failure"],
@@ -54,7 +54,7 @@ def test_errors_in_a_fresh_process_have_no_traceback(script, args, status, messa
 
 
 def test_traceback_flag_shows_the_traceback(capsys):
-    rc, _, err = cli_main(capsys, "quantize", "--model", "cli_models:broken", "--example-input", "8x16",
+    rc, _, err = cli_main(capsys, "quantize", "--model", "tests.models.cli:broken", "--example-input", "8x16",
                        "--preset", "w8a8", "--traceback")
     assert rc == 1
     assert "Traceback" in err and "boom: the factory failed" in err
@@ -72,21 +72,21 @@ def _write(path: Path, text: str) -> str:
          "--model: expected MODULE:FACTORY (e.g. mypkg.models:build), got 'tiny_mlp'"),
         (["--model", "no_such_module_xyz:build", "--example-input", "8x16", "--preset", "w8a8"],
          "--model: cannot import module 'no_such_module_xyz'"),
-        (["--model", "cli_models:missing", "--example-input", "8x16", "--preset", "w8a8"],
-         "--model: module 'cli_models' has no attribute 'missing'"),
-        (["--model", "cli_models:not_a_model", "--example-input", "8x16", "--preset", "w8a8"],
-         "--model: cli_models:not_a_model() returned a str, not a torch.nn.Module"),
-        (["--model", "cli_models:tiny_mlp", "--example-input", "8x", "--preset", "w8a8"],
+        (["--model", "tests.models.cli:missing", "--example-input", "8x16", "--preset", "w8a8"],
+         "--model: module 'tests.models.cli' has no attribute 'missing'"),
+        (["--model", "tests.models.cli:not_a_model", "--example-input", "8x16", "--preset", "w8a8"],
+         "--model: tests.models.cli:not_a_model() returned a str, not a torch.nn.Module"),
+        (["--model", "tests.models.cli:tiny_mlp", "--example-input", "8x", "--preset", "w8a8"],
          "--example-input: '8x' is neither a .pt file nor shapes"),
-        (["--model", "cli_models:tiny_mlp", "--example-input", "missing.pt", "--preset", "w8a8"],
+        (["--model", "tests.models.cli:tiny_mlp", "--example-input", "missing.pt", "--preset", "w8a8"],
          "--example-input: no such file 'missing.pt'"),
-        (["--model", "cli_models:tiny_mlp", "--example-input", "8x17", "--preset", "w8a8"],
+        (["--model", "tests.models.cli:tiny_mlp", "--example-input", "8x17", "--preset", "w8a8"],
          "--example-input: the model fails on inputs of shapes [(8, 17)]: RuntimeError"),
-        (["--model", "cli_models:tiny_mlp", "--example-input", "8x16", "--config", "missing.yaml"],
+        (["--model", "tests.models.cli:tiny_mlp", "--example-input", "8x16", "--config", "missing.yaml"],
          "--config: no such file 'missing.yaml'"),
-        (["--model", "cli_models:tiny_mlp", "--example-input", "8x16", "--preset", "w8a8", "--out", "m.onnx"],
+        (["--model", "tests.models.cli:tiny_mlp", "--example-input", "8x16", "--preset", "w8a8", "--out", "m.onnx"],
          "--out: expected a .pt2 file name, got 'm.onnx'"),
-        (["--model", "cli_models:tiny_mlp", "--example-input", "8x16", "--preset", "w8a8", "--onnx", "m.pt2"],
+        (["--model", "tests.models.cli:tiny_mlp", "--example-input", "8x16", "--preset", "w8a8", "--onnx", "m.pt2"],
          "--onnx: expected a .onnx file name, got 'm.pt2'"),
     ],
 )
@@ -177,7 +177,7 @@ def test_quantize_two_inputs_with_calibration_batches_and_qat(capsys, tmp_path):
     path = tmp_path / "calib.pt"
     g = torch.Generator().manual_seed(0)
     torch.save([(torch.randn(4, 8, generator=g), torch.randn(4, 6, generator=g)) for _ in range(3)], path)
-    rc, out, err = cli_main(capsys, "quantize", "--model", "cli_models:two_inputs", "--example-input", "4x8,4x6",
+    rc, out, err = cli_main(capsys, "quantize", "--model", "tests.models.cli:two_inputs", "--example-input", "4x8,4x6",
                          "--preset", "w4a8", "--calib-data", str(path), "--qat-steps", "3", "--no-progress")
     assert rc == 0, err
 
@@ -297,8 +297,8 @@ def _saved(tmp_path, name, value) -> str:
 
 
 def test_example_input_errors_are_one_line_before_any_work(capsys, tmp_path):
-    """cli_models:broken (its factory raises) shows that no model was built."""
-    broken = ["quantize", "--model", "cli_models:broken", "--preset", "w8a8"]
+    """tests.models.cli:broken (its factory raises) shows that no model was built."""
+    broken = ["quantize", "--model", "tests.models.cli:broken", "--preset", "w8a8"]
     err = _one_line_error(capsys, 2, *broken, "--example-input", "0x16")
     assert err == ("pt2e-fq quantize: error: --example-input: '0x16' has a dimension of size 0 (an empty input, "
                    "nothing to calibrate on); every dimension must be >= 1")
@@ -351,7 +351,7 @@ def test_a_diverging_lr_is_named(capsys):
 
 @pytest.mark.parametrize("flag, name", [("--out", "m.pt2"), ("--onnx", "m.onnx")])
 def test_output_paths_are_checked_before_any_work(capsys, tmp_path, flag, name):
-    broken = ["quantize", "--model", "cli_models:broken", "--example-input", "8x16", "--preset", "w8a8"]
+    broken = ["quantize", "--model", "tests.models.cli:broken", "--example-input", "8x16", "--preset", "w8a8"]
     missing = tmp_path / "no" / name
     err = _one_line_error(capsys, 2, *broken, flag, str(missing))
     assert err == (f"pt2e-fq quantize: error: {flag}: cannot write {str(missing)!r}: no folder "
@@ -376,12 +376,12 @@ def test_model_errors_are_one_line(capsys, tmp_path, monkeypatch):
 
 def test_a_model_torch_export_rejects_is_one_line_in_a_fresh_process():
     """torch.export printed the partial graph (twice) and a multi-line report."""
-    result = run_cli("quantize", "--model", "test_cli:DataDependent", "--example-input", "8x16", "--preset", "w8a8",
+    result = run_cli("quantize", "--model", "tests.cli.test_cli:DataDependent", "--example-input", "8x16", "--preset", "w8a8",
                      "--no-progress")
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "def forward" not in result.stderr, result.stderr
     assert result.stderr.startswith(
-        f"pt2e-fq quantize: error: --model: torch.export cannot export DataDependent at {TESTS / 'test_cli.py'}:")
+        f"pt2e-fq quantize: error: --model: torch.export cannot export DataDependent at {Path(__file__)}:")
     assert "(if x.sum() > 0:): GuardOnDataDependentSymNode: Could not guard on data-dependent expression" in (
         result.stderr)
 
@@ -408,6 +408,6 @@ def test_argparse_and_yaml_errors_are_one_line(capsys, tmp_path):
 
 
 def test_any_other_failure_is_one_line_with_exit_status_1(capsys):
-    err = _one_line_error(capsys, 1, "quantize", "--model", "cli_models:broken", "--example-input", "8x16",
+    err = _one_line_error(capsys, 1, "quantize", "--model", "tests.models.cli:broken", "--example-input", "8x16",
                           "--preset", "w8a8")
     assert err == "pt2e-fq quantize: error: RuntimeError: boom: the factory failed (--traceback for details)"

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import cli_main as _main
-from test_cli import QUANTIZE
-from test_export_executorch import needs_executorch
+from tests.conftest import cli_main as _main
+from tests.cli.test_cli import QUANTIZE
+from tests.export.test_export_executorch import needs_executorch
 
 import pt2e_fq
 from quantizers import presets
@@ -68,7 +68,7 @@ def test_pte_puts_a_point_between_a_linear_and_its_gelu(capsys, tmp_path):
     # linear's output is quantized before the GELU (XNNPACK fuses no GELU), so
     # XNNPACK runs both linears in int8 and no weight is left in float.
     pte = tmp_path / "m.pte"
-    args = ["quantize", "--model", "cli_models:gelu_mlp", "--example-input", "8x16", "--no-progress"]
+    args = ["quantize", "--model", "tests.models.cli:gelu_mlp", "--example-input", "8x16", "--no-progress"]
     rc, out, err = _main(capsys, *args, "--preset", "w8a8", "--pte", str(pte))
     assert rc == 0, err
     # input, 2 weights, linear output, GELU output (the second linear's input), the logits

@@ -5,7 +5,7 @@ models do in torch (our fake-quant graph: the demo's own "torch" rows)."""
 from __future__ import annotations
 
 import pytest
-from test_export_executorch import MISSING
+from tests.export.test_export_executorch import MISSING
 
 from pt2e_fq.app import demo
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quantizer_models import single_thread  # noqa: F401 (an autouse fixture: one thread)
+from tests.models.quantizer import single_thread  # noqa: F401 (an autouse fixture: one thread)
 import torch.nn as nn
 
 from pt2e_fq.app import digits

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torchao.quantization.pt2e as tao
-from quantizer_models import fake_quant_modules, sqnr_db, single_thread  # noqa: F401 (an autouse fixture: one thread)
+from tests.models.quantizer import fake_quant_modules, sqnr_db, single_thread  # noqa: F401 (an autouse fixture: one thread)
 from torchao.quantization.pt2e import qat_utils
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 

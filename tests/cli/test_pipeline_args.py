@@ -1,14 +1,14 @@
 """Models whose forward gathers its inputs in *args (common wrappers of HF
 models), through pipeline and the CLI, and the CLI's --static-batch
-(issue 17.8). The factories here are also `--model test_pipeline_args:...`."""
+(issue 17.8). The factories here are also `--model tests.cli.test_pipeline_args:...`."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn as nn
-from conftest import cli_main
-from quantizer_models import single_thread, sqnr_db  # noqa: F401 (an autouse fixture)
+from tests.conftest import cli_main
+from tests.models.quantizer import single_thread, sqnr_db  # noqa: F401 (an autouse fixture)
 
 import pt2e_fq
 from pt2e_fq.app import pipeline
@@ -63,7 +63,7 @@ def test_batch_dynamic_shapes_follows_the_forward_s_parameters():
         torch.testing.assert_close(program.module()(*x), model(*x))
 
 
-QUANTIZE = ["quantize", "--model", "test_pipeline_args:star_args", "--example-input", "4x8,4x6", "--preset", "w8a8",
+QUANTIZE = ["quantize", "--model", "tests.cli.test_pipeline_args:star_args", "--example-input", "4x8,4x6", "--preset", "w8a8",
             "--no-progress"]
 
 

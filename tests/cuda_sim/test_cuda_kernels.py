@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import (
+from tests.cuda_sim.kernel_cases import (
     AFFINE_VARIANTS, BLOCK_SHAPES, E2M1, E4M3, ELEM_DTYPES, FLOAT_VARIANTS, block_input, dtype_id,
     gradient_seed, param_grid, with_specials,
 )
 
-from conftest import FLOAT_DTYPES, assert_bits_equal, make_case, requires_cuda_kernels
+from tests.conftest import FLOAT_DTYPES, assert_bits_equal, make_case, requires_cuda_kernels
 from pt2e_fq import ops, reference
 
 pytestmark = requires_cuda_kernels

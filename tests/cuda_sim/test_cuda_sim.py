@@ -28,18 +28,18 @@ from pathlib import Path
 import pytest
 import torch
 from hypothesis import given, settings
-from kernel_cases import (
+from tests.cuda_sim.kernel_cases import (
     AFFINE_VARIANTS, BLOCK_SHAPES, ELEM_DTYPES, FLOAT_VARIANTS, block_input, gradient_seed, param_grid,
     with_specials,
 )
 
-from conftest import FLOAT_DTYPES, affine_cases, assert_bits_equal, make_case
+from tests.conftest import FLOAT_DTYPES, affine_cases, assert_bits_equal, make_case
 from pt2e_fq import observers, ops, reference
 from pt2e_fq.blocks import reduce_blocks
 from pt2e_fq.formats import ELEMENTS
 from pt2e_fq.qparams import int_range_limit
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SIM = ROOT / "tests" / "cuda_sim"
 CUDA_SOURCES = sorted((ROOT / "pt2e_fq" / "csrc" / "cuda").glob("*.cu"))
 # -D__CUDA_ARCH__: the shared headers take their device branches (__fdiv_rn ...).

@@ -23,18 +23,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-import cli_models
+from tests.models import cli as cli_models
 import pytest
 import torch
 import torch.utils._pytree as pytree
-from quantizer_models import single_thread  # noqa: F401 (an autouse fixture: one thread)
+from tests.models.quantizer import single_thread  # noqa: F401 (an autouse fixture: one thread)
 
 import pt2e_fq
 from pt2e_fq.app import cli, pipeline
 from pt2e_fq.export import to_onnx
 from pt2e_fq.files import WriteError
 
-TESTS = Path(__file__).parent
+ROOT = Path(__file__).resolve().parents[2]
 OLD = b"a good file from an earlier run"
 FULL = Path("/dev/full")
 needs_dev_full = pytest.mark.skipif(not FULL.is_char_device(), reason="no /dev/full on this system")
@@ -187,7 +187,7 @@ def test_a_folder_or_a_missing_folder_is_refused_before_the_export(writer, tmp_p
 
 def _run_cli(*args):
     env = dict(os.environ, PYTHONPATH="")
-    return subprocess.run([sys.executable, "-m", "pt2e_fq", *args], cwd=TESTS, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "pt2e_fq", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
 
 
@@ -195,7 +195,7 @@ def _run_cli(*args):
 @pytest.mark.parametrize("flag, name", [("--out", "model.pt2"), ("--onnx", "model.onnx")])
 def test_cli_quantize_to_a_full_disk_exits_1_with_one_line(flag, name, tmp_path):
     link = _link_to_dev_full(tmp_path, name)
-    result = _run_cli("quantize", "--model", "cli_models:tiny_mlp", "--example-input", "8x16", "--preset", "w8a8",
+    result = _run_cli("quantize", "--model", "tests.models.cli:tiny_mlp", "--example-input", "8x16", "--preset", "w8a8",
                       "--no-progress", flag, str(link))
     assert result.returncode == 1, result.stderr[-2000:]
     assert result.stderr == f"pt2e-fq quantize: error: cannot write {str(link)!r}: {ENOSPC}\n"
@@ -204,7 +204,7 @@ def test_cli_quantize_to_a_full_disk_exits_1_with_one_line(flag, name, tmp_path)
 def test_cli_quantize_failed_write_keeps_the_old_file(tmp_path, monkeypatch, capsys):
     path = _old_file(tmp_path / "model.pt2")
     monkeypatch.setattr(torch.export, "save", _failing_writer(".pt2"))
-    rc = cli.main(["quantize", "--model", "cli_models:tiny_mlp", "--example-input", "8x16", "--preset", "w8a8",
+    rc = cli.main(["quantize", "--model", "tests.models.cli:tiny_mlp", "--example-input", "8x16", "--preset", "w8a8",
                    "--no-progress", "--out", str(path)])
     err = capsys.readouterr().err
     assert rc == 1

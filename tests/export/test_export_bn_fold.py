@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torchao.quantization.pt2e as tao
-from quantized_models import QAT_SHAPE, batch, fake_quant_nodes, qat_converted, qat_prepared
-from simple_quantizer import ConvBnReluLinear, LinearConvQuantizer
+from tests.models.quantized import QAT_SHAPE, batch, fake_quant_nodes, qat_converted, qat_prepared
+from tests.models.simple_quantizer import ConvBnReluLinear, LinearConvQuantizer
 from torchao.quantization.pt2e.quantize_pt2e import prepare_qat_pt2e
 
 import pt2e_fq as q

@@ -8,8 +8,8 @@ import builtins
 
 import pytest
 import torch
-from quantized_models import batch, ptq
-from test_export_qdq import ACT, WEIGHTS, _cnn_w8a8, _output_point
+from tests.models.quantized import batch, ptq
+from tests.export.test_export_qdq import ACT, WEIGHTS, _cnn_w8a8, _output_point
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
 import pt2e_fq as q
@@ -170,7 +170,7 @@ def test_a_dequantize_xnnpack_leaves_outside_is_an_error_before_writing(tmp_path
 
 @needs_executorch
 def test_a_transformer_block_runs_with_the_linear_before_gelu_in_float(tmp_path):
-    from test_export_qdq import _encoder_w8a8
+    from tests.export.test_export_qdq import _encoder_w8a8
 
     model, x = _encoder_w8a8(), batch(6, (2, 6, 32))
     result = to_executorch(model, x, tmp_path / "block.pte")

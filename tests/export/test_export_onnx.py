@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 from onnx import TensorProto
-from quantized_models import (
+from tests.models.quantized import (
     QAT_SHAPE,
     FloatFormatModel,
     batch,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quantized_models import run_in_fresh_process
-from quantizer_models import MODELS, build, example_batch, prepare, single_thread  # noqa: F401
+from tests.models.quantized import run_in_fresh_process
+from tests.models.quantizer import MODELS, build, example_batch, prepare, single_thread  # noqa: F401
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
 import pt2e_fq as q

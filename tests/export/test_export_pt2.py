@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quantized_models import (
+from tests.models.quantized import (
     QAT_SHAPE,
     FloatFormatModel,
     batch,

@@ -12,8 +12,8 @@ import re
 import pytest
 import torch
 import torch.nn as nn
-from quantized_models import QAT_SHAPE, batch, ptq, qat_prepared
-from simple_quantizer import ConvLinear
+from tests.models.quantized import QAT_SHAPE, batch, ptq, qat_prepared
+from tests.models.simple_quantizer import ConvLinear
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
 import pt2e_fq as q

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 from onnx import numpy_helper
 
-from quantized_models import fake_quant_nodes
+from tests.models.quantized import fake_quant_nodes
 
 from pt2e_fq.app import pipeline
 from pt2e_fq.app.models import MLP

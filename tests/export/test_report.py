@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from quantized_models import batch, fake_quant_nodes, ptq, qat_prepared
+from tests.models.quantized import batch, fake_quant_nodes, ptq, qat_prepared
 
 import pt2e_fq as q
 from pt2e_fq import reference

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from quantizer_models import single_thread  # noqa: F401 (an autouse fixture)
+from tests.models.quantizer import single_thread  # noqa: F401 (an autouse fixture)
 
 import pt2e_fq
 from pt2e_fq.app import pipeline

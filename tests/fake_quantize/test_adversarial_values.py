@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from quantized_models import batch, fake_quant_nodes, ptq
+from tests.models.quantized import batch, fake_quant_nodes, ptq
 from torch.fx.experimental.proxy_tensor import make_fx
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 

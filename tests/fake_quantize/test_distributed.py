@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from rank_processes import spawn_ranks
+from tests.fake_quantize.rank_processes import spawn_ranks
 
 import pt2e_fq as q
 import pt2e_fq.distributed as qdist
@@ -491,7 +491,7 @@ def test_the_ddp_example_runs_under_torchrun_and_saves_a_working_program(tmp_pat
 
     from pt2e_fq.app import digits
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out = tmp_path / "qat_ddp.pt2"
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

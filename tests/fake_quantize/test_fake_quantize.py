@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torchao.quantization.pt2e as tao
-from conftest import requires_cuda_kernels
+from tests.conftest import requires_cuda_kernels
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import pt2e_fq as q

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torchao.quantization.pt2e as tao
-from simple_quantizer import LinearConvQuantizer
-from test_pt2e_flow import batch, calibrated, points
+from tests.models.simple_quantizer import LinearConvQuantizer
+from tests.flow.test_pt2e_flow import batch, calibrated, points
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
 import pt2e_fq as q

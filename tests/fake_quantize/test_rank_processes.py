@@ -8,7 +8,7 @@ import os
 import time
 
 import pytest
-import rank_processes
+from tests.fake_quantize import rank_processes
 
 
 def _hangs_after_writing(rank, out_dir, write):

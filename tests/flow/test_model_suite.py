@@ -56,7 +56,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from quantized_models import fake_quant_nodes
+from tests.models.quantized import fake_quant_nodes
 
 try:
     from pt2e_fq.app import zoo
@@ -83,7 +83,7 @@ from pt2e_fq.app.accuracy import (
 from pt2e_fq.export import check_onnx, to_onnx
 from quantizers import presets
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PRESETS = ("w8a8", "w4a8", "w4a16", "w8a16", "fp8", "mxfp8", "mxfp4", "nvfp4")
 INTEGER_PRESETS = ("w8a8", "w4a8", "w4a16", "w8a16")
 FOUR_BIT = ("w4a8", "w4a16", "mxfp4", "nvfp4")

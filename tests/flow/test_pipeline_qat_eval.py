@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torchao.quantization.pt2e as tao
-from quantizer_models import single_thread, sqnr_db  # noqa: F401 (an autouse fixture)
+from tests.models.quantizer import single_thread, sqnr_db  # noqa: F401 (an autouse fixture)
 
 import pt2e_fq
 from pt2e_fq.app import pipeline

@@ -1,4 +1,4 @@
-"""Model factories for the CLI tests (`--model cli_models:tiny_mlp`)."""
+"""Model factories for the CLI tests (`--model tests.models.cli:tiny_mlp`)."""
 
 import torch
 import torch.nn as nn

@@ -11,7 +11,7 @@ import textwrap
 import torch
 import torch.nn as nn
 import torchao.quantization.pt2e as tao
-from simple_quantizer import ConvBnReluLinear, ConvLinear, LinearConvQuantizer
+from tests.models.simple_quantizer import ConvBnReluLinear, ConvLinear, LinearConvQuantizer
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e, prepare_qat_pt2e
 
 import pt2e_fq as q

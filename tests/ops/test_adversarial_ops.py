@@ -236,8 +236,8 @@ def test_a_converted_model_on_an_empty_batch_gives_what_the_float_model_gives():
     # The whole item 13 path: static per-tensor / per-channel and dynamic
     # per-token points, their FakeQuantize modules and the ops, at batch 0.
     import pt2e_fq as q
-    from quantized_models import batch, ptq
-    from simple_quantizer import ConvLinear
+    from tests.models.quantized import batch, ptq
+    from tests.models.simple_quantizer import ConvLinear
 
     empty = batch(0, (0, 3, 6, 6))
     float_out = ConvLinear().eval()(empty)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from conftest import DEVICES, affine_cases, assert_bits_equal, make_case, with_layout
+from tests.conftest import DEVICES, affine_cases, assert_bits_equal, make_case, with_layout
 from pt2e_fq import ops, reference
 
 

@@ -7,7 +7,7 @@ the reason, where there is no CUDA device or no CUDA kernel."""
 import pytest
 import torch
 
-from conftest import make_case, requires_cuda_kernels
+from tests.conftest import make_case, requires_cuda_kernels
 from pt2e_fq import ops
 
 pytestmark = requires_cuda_kernels

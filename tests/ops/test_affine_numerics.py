@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from conftest import DEVICES, QUANT_RANGES, affine_cases, assert_bits_equal, make_case
+from tests.conftest import DEVICES, QUANT_RANGES, affine_cases, assert_bits_equal, make_case
 from pt2e_fq import ops, reference
 
 

@@ -7,7 +7,7 @@ import io
 import pytest
 import torch
 
-from conftest import DEVICES, FLOAT_DTYPES, assert_bits_equal, make_case, to_device
+from tests.conftest import DEVICES, FLOAT_DTYPES, assert_bits_equal, make_case, to_device
 from pt2e_fq import ops, reference
 
 FQ_OP = torch.ops.pt2e_fq.fake_quantize_affine.default

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pt2e_fq  # noqa: F401
-from conftest import DEVICES
+from tests.conftest import DEVICES
 from pt2e_fq import reference as ref
 from pt2e_fq.blocks import reduced_shape
 from pt2e_fq.formats import ELEMENTS

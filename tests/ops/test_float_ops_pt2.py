@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import pt2e_fq
-from conftest import DEVICES, requires_cuda_kernels, to_device
+from tests.conftest import DEVICES, requires_cuda_kernels, to_device
 from pt2e_fq import ops
 from pt2e_fq import reference as ref
 

@@ -15,12 +15,12 @@ import torch
 import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from simple_quantizer import ConvLinear, LinearConvQuantizer
+from tests.models.simple_quantizer import ConvLinear, LinearConvQuantizer
 from torch.utils._python_dispatch import TorchDispatchMode
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_qat_pt2e
 
 import pt2e_fq as q
-from conftest import DEVICES, FLOAT_DTYPES, assert_bits_equal
+from tests.conftest import DEVICES, FLOAT_DTYPES, assert_bits_equal
 from pt2e_fq import observe_ops
 from pt2e_fq.blocks import reduce_blocks, reduced_shape
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from conftest import affine_cases, assert_bits_equal, make_case, requires_cuda_kernels
+from tests.conftest import affine_cases, assert_bits_equal, make_case, requires_cuda_kernels
 from pt2e_fq import ops, reference
 from pt2e_fq.blocks import reduce_blocks
 
@@ -337,7 +337,7 @@ def test_torch_learnable_rounds_the_zero_point_differently_in_backward():
 import copy  # noqa: E402
 
 import torchao.quantization.pt2e as tao  # noqa: E402
-from simple_quantizer import ConvLinear, LinearConvQuantizer  # noqa: E402
+from tests.models.simple_quantizer import ConvLinear, LinearConvQuantizer  # noqa: E402
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_qat_pt2e  # noqa: E402
 
 import pt2e_fq as q  # noqa: E402

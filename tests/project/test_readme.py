@@ -10,7 +10,7 @@ import yaml
 
 from quantizers import QuantizerConfig
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def _yaml_blocks() -> list[str]:

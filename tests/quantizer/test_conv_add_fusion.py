@@ -13,7 +13,8 @@ import re
 import pytest
 import torch
 import torch.nn as nn
-from quantized_models import batch
+from tests.models.quantized import batch
+from tests.models.resnet import ResNet
 from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
 
 import pt2e_fq as q
@@ -22,35 +23,6 @@ from pt2e_fq.export import check_lowered, check_onnx, compile_x86, to_onnx, to_q
 from quantizers import ConfigError, FakeQuantQuantizer, QuantizerConfig, presets
 
 SHAPE = (4, 3, 8, 8)
-
-
-class Block(nn.Module):
-    """A ResNet basic block: relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x))."""
-
-    def __init__(self, c_in, c_out, stride):
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False), nn.BatchNorm2d(c_out)
-        self.conv2, self.bn2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False), nn.BatchNorm2d(c_out)
-        self.down = None
-        if stride != 1 or c_in != c_out:
-            self.down = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
-
-    def forward(self, x):
-        y = torch.relu(self.bn1(self.conv1(x)))
-        return torch.relu(self.bn2(self.conv2(y)) + (x if self.down is None else self.down(x)))
-
-
-class ResNet(nn.Module):
-    """A stem, a block with an identity shortcut, one with a 1x1 conv downsample (conv + conv), a classifier."""
-
-    def __init__(self):
-        super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, 1, 1), nn.BatchNorm2d(8), nn.ReLU())
-        self.blocks = nn.Sequential(Block(8, 8, 1), Block(8, 16, 2))
-        self.fc = nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(self.blocks(self.stem(x)), 1), 1))
 
 
 def _model():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from quantizer_models import prepare, single_thread  # noqa: F401 (single_thread: an autouse fixture)
+from tests.models.quantizer import prepare, single_thread  # noqa: F401 (single_thread: an autouse fixture)
 
 import pt2e_fq as q
 from quantizers import FakeQuantQuantizer, OpConfig, QuantizerConfig, presets

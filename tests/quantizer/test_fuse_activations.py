@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from quantized_models import batch
+from tests.models.quantized import batch
 from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
 
 from pt2e_fq.export import XNNPACK_FUSED_ACTIVATIONS

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 import torch.nn as nn
-from quantizer_models import (  # noqa: F401 (single_thread: an autouse fixture)
+from tests.models.quantizer import (  # noqa: F401 (single_thread: an autouse fixture)
     build, example_batch, export, fake_quant_modules, prepare, single_thread)
 from torchao.quantization.pt2e.quantizer import QuantizationSpec, SharedQuantizationSpec
 

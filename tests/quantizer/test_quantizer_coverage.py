@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
-from quantizer_models import single_thread, sqnr_db  # noqa: F401 (an autouse fixture)
+from tests.models.quantizer import single_thread, sqnr_db  # noqa: F401 (an autouse fixture)
 
 import pt2e_fq
 from pt2e_fq.app import pipeline

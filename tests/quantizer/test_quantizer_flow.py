@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torchao.quantization.pt2e as tao
-from quantizer_models import MODELS, build, example_batch, prepare, single_thread, sqnr_db  # noqa: F401 (an autouse fixture)
+from tests.models.quantizer import MODELS, build, example_batch, prepare, single_thread, sqnr_db  # noqa: F401 (an autouse fixture)
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
 from quantizers import FakeQuantQuantizer, presets

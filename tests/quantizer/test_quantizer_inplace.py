@@ -12,34 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from quantizer_models import fake_quant_modules, prepare, single_thread, sqnr_db  # noqa: F401 (an autouse fixture)
+from tests.models.resnet import BasicBlock
+from tests.models.quantizer import fake_quant_modules, prepare, single_thread, sqnr_db  # noqa: F401 (an autouse fixture)
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
 from quantizers import FakeQuantQuantizer
 from quantizers.presets import every_point
 
 aten = torch.ops.aten
-
-
-class BasicBlock(nn.Module):
-    """torchvision's BasicBlock (no downsample), in place or not."""
-
-    def __init__(self, inplace: bool):
-        super().__init__()
-        self.inplace = inplace
-        self.conv1, self.bn1 = nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
-        self.conv2, self.bn2 = nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
-        self.relu = nn.ReLU(inplace=inplace)
-
-    def forward(self, x):
-        identity = x
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        if self.inplace:
-            out += identity
-        else:
-            out = out + identity
-        return self.relu(out)
 
 
 def _converted(model, batches, preset="w8a8"):
@@ -70,7 +50,7 @@ def _batches(*shape, n=3):
 
 def test_a_residual_add_in_place_gets_the_add_config_and_its_output_point():
     batches = _batches(2, 4, 6, 6)
-    (prepared, converted), (twin_prepared, twin_converted) = _twins(BasicBlock, batches)
+    (prepared, converted), (twin_prepared, twin_converted) = _twins(lambda inplace: BasicBlock(4, 4, inplace=inplace), batches)
     assert {aten.add_.Tensor, aten.relu_.default} <= _targets(prepared)  # the in-place ops are really there
     # x, conv1 weight, conv1-bn1-relu, conv2 weight, conv2-bn2, the add's output after the relu:
     # 6 modules; the add's inputs are already quantized (bn2's output point and x).

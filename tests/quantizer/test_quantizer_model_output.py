@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from quantizer_models import single_thread, sqnr_db  # noqa: F401 (an autouse fixture)
+from tests.models.quantizer import single_thread, sqnr_db  # noqa: F401 (an autouse fixture)
 
 from pt2e_fq.app import pipeline
 from quantizers import ConfigError, FakeQuantQuantizer, QuantizerConfig, presets

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from quantizer_models import single_thread, sqnr_db  # noqa: F401 (an autouse fixture)
+from tests.models.quantizer import single_thread, sqnr_db  # noqa: F401 (an autouse fixture)
 
 from pt2e_fq.app import pipeline
 from quantizers import FakeQuantQuantizer, presets

@@ -25,7 +25,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from quantizer_models import single_thread, sqnr_db  # noqa: F401 (an autouse fixture)
+from tests.models.quantizer import single_thread, sqnr_db  # noqa: F401 (an autouse fixture)
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
     X86InductorQuantizer,
