@@ -263,7 +263,7 @@ def test_demo_end_to_end(tmp_path):
     assert "weight of conv2d" in (tmp_path / "qat_w4a8_report.txt").read_text()
 
 
-# -- issue 16, item 17: every error is one line naming the argument, found before any work ----------
+# -- every error is one line naming the argument, found before any work ----------
 
 
 class DataDependent(torch.nn.Module):

@@ -1,6 +1,6 @@
 """Models whose forward gathers its inputs in *args (common wrappers of HF
-models), through pipeline and the CLI, and the CLI's --static-batch
-(issue 17.8). The factories here are also `--model tests.cli.test_pipeline_args:...`."""
+models), through pipeline and the CLI, and the CLI's --static-batch.
+The factories here are also `--model tests.cli.test_pipeline_args:...`."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ Past 2^31 elements, the kernels run on sparse buffers and only the last
 blocks of their grid, which compute the tensor's end: 64-bit tile, mask and
 scale indices without allocating or computing the rest.
 
-What stays GPU-only (tests/test_cuda_kernels.py on a GPU machine): the torch
+What stays GPU-only (tests/cuda_sim/test_cuda_kernels.py on a GPU machine): the torch
 binding (binding.cpp: argument checks, allocation, streams), the middle of
 a tensor over 2^31 elements, real concurrency between warps and blocks.
 """

@@ -1,13 +1,13 @@
 """The files pt2e_fq writes, under hostile conditions.
 
-Issue 16, item 16: a full disk, a failing writer, a folder or a missing
+A full disk, a failing writer, a folder or a missing
 folder at the path, a symbolic link. A failed write is one clear error (the
 CLI: one line, exit status 1, no traceback, no abort) and a good file
 already at the path survives; a successful write replaces the file whole.
 /dev/full (every write fails with ENOSPC) stands in for a full disk, reached
 through a link with the file name the API expects.
 
-Issue 16, "Also": a .pt2 whose program returns a transformers ModelOutput
+A .pt2 whose program returns a transformers ModelOutput
 loads in a fresh process; an output type no other process could find is
 refused at save time.
 """

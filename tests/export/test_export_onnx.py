@@ -1,7 +1,7 @@
 """ONNX export: every fake-quant point becomes QuantizeLinear /
 DequantizeLinear with the right type and layout, weights become integer
 initializers, ONNX Runtime (CPU) reproduces every point bit for bit and the
-outputs within one quantization step (the end-to-end bound on deep nets: tests/test_onnx_check.py)."""
+outputs within one quantization step (the end-to-end bound on deep nets: tests/export/test_onnx_check.py)."""
 
 from __future__ import annotations
 
@@ -306,7 +306,7 @@ def test_to_onnx_errors_name_the_problem(tmp_path):
 
 @pytest.mark.parametrize("opset", [onnx.defs.onnx_opset_version() + 1, 99, True, 21.0, "21"])
 def test_to_onnx_refuses_an_opset_it_cannot_write_before_any_work(opset, tmp_path):
-    """Issue 16 item 20: torch.onnx, asked for an opset newer than the onnx
+    """torch.onnx, asked for an opset newer than the onnx
     package defines, logged a traceback and wrote an opset-18 file that ONNX
     Runtime refuses. The check comes first: nothing is exported or written,
     and a file already at the path is left alone."""

@@ -1,5 +1,5 @@
 """report() on a model whose in-place ops mutate a point's input or output
-after the point ran (issue 17.9): each row must show what the point did
+after the point ran: each row must show what the point did
 when it ran. The reference is the same model written out of place (same
 weights, same points): its report is what the in-place model's must be."""
 

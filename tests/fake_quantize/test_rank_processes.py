@@ -1,4 +1,4 @@
-"""spawn_ranks (tests/rank_processes.py), the deadline on the distributed
+"""spawn_ranks (tests/fake_quantize/rank_processes.py), the deadline on the distributed
 tests' rank processes: a rank that hangs after writing its result is
 terminated with a warning, one that hangs before writing it fails the test."""
 

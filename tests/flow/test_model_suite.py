@@ -1,4 +1,4 @@
-"""The model suite (issue 17, "Deliver"; issue 21.2): real architectures
+"""The model suite: real architectures
 from torchvision, timm and transformers at toy sizes (pt2e_fq/app/zoo.py),
 every preset through the pipeline, as a user runs them.
 
@@ -6,26 +6,26 @@ every preset through the pipeline, as a user runs them.
   ones where it is cheap (the full matrix: benchmarks/bench_accuracy.py):
   convert; the outputs on held-out batches above the floor against float (below); save; load in a fresh process (all
   files in one subprocess) and reproduce the converted model bit for bit.
-- Parity with torchao's stock quantizers (issue 17.1): each integer preset
+- Parity with torchao's stock quantizers: each integer preset
   at least the better of XNNPACKQuantizer and X86InductorQuantizer (their
   int8 configs; for a 4-bit preset the same with int4 per-channel weights,
   accuracy.stock_weight_bits; same weights, same calibration) on the stock
   quantizer's coverage: not below it by more than two standard errors of the paired
   per-batch SQNR difference over the 16 held-out batches
   (accuracy.sqnr_gap); fp8 at least w8a8. Where ours is below, the case is
-  xfail(strict=True) naming the issue item, so the day it holds the mark
+  xfail(strict=True) with the measured gap, so the day it holds the mark
   must go.
 - ONNX: to_onnx and check_onnx (every point bit for bit in ONNX Runtime on
   torch's inputs, the outputs within check_onnx's documented end-to-end
   bound or a cascade it explains) for w8a8 on every model, a float format
-  on ViT (fp8: dynamic points reading a parameter, issue 21.4), a
+  on ViT (fp8: dynamic points reading a parameter), a
   weight-only preset on EfficientNet (w8a16: a float output through 81
   convolutions), and a QAT model with folded batch norms.
 - QAT (w8a8 on every model but mobilenet_v3_small; w4a8 on resnet18), 3
   steps of distillation: freeze, convert; two runs equal; the .pt2 loaded in
   a fresh process equals the saved program bit for bit; the saved program
   equals the converted model where nothing is folded, and stays within a
-  documented bound of it where batch norms are (issue 17.6).
+  documented bound of it where batch norms are.
 
 The floor against float: the SQNR of predicting all zeros is 0 dB, so a
 model above 0 dB carries information about the float outputs; a broken
@@ -98,17 +98,17 @@ PTQ_CASES = [(m, p) for m in zoo.NAMES
 # BERT w4a8: its int4 weights' rounding ties (SYMMETRIC_NO_CLIP); mobilenet
 # w4a16: depthwise weights in 4 bits (integer groups across kernel positions).
 PTQ_CASES += [("bert", "w4a8"), ("mobilenet_v3_small", "w4a16")]
-# efficientnet_b0 for the CNNs with batch norm eps 1e-3 and stochastic depth (issue 21.2).
+# efficientnet_b0 for the CNNs with batch norm eps 1e-3 and stochastic depth.
 QAT_CASES = [(m, "w8a8") for m in zoo.NAMES if m != "mobilenet_v3_small"] + [("resnet18", "w4a8")]
-# fp8 on ViT: dynamic points reading a parameter (the position embedding; issue 21.4);
+# fp8 on ViT: dynamic points reading a parameter (the position embedding);
 # w8a16 on EfficientNet: a weight-only float output through 81 convolutions
 # (check_onnx's float64 bound).
 ONNX_CASES = [(m, "w8a8") for m in zoo.NAMES] + [("vit_tiny", "fp8"), ("efficientnet_b0", "w8a16")]
 QAT_STEPS = 3
 
-# Measured below the better stock quantizer of the preset's weight width
-# (issue 17.1): ours against the better stock SQNR, dB, on this suite's
-# held-out batches (2026-11-23).
+# Measured below the better stock quantizer of the preset's weight width:
+# ours against the better stock SQNR, dB, on this suite's held-out batches
+# (torch 2.13.0+cpu, torchao 0.18.0).
 # XNNPACKQuantizer fails on the HF decoders (it quantizes an index tensor of
 # their mask code) and X86InductorQuantizer on resnet18 ("Input partition has
 # more than one output node", its conv-add-relu annotation): the other one
@@ -123,11 +123,11 @@ BELOW_STOCK = {
     # --threads 2 --models efficientnet_b0 --presets w8a8 --quick --tables ptq).
     ("efficientnet_b0", "w8a8"): "2.1 dB, X86InductorQuantizer 3.0: -0.91 dB, standard error 0.37",
 }
-# fp8 measured below w8a8 (issue 17.1: fp8 at least as good as w8a8), dB on
+# fp8 measured below w8a8 (the goal: fp8 at least as good as w8a8), dB on
 # the 16 held-out batches. The formats' arithmetic, not the flow: E4M3 keeps
 # 3 mantissa bits, a rounding error up to 2**-4 of each value wherever it
 # lies (about 31 dB on any Gaussian-like tensor), where int8 over a
-# calibrated range keeps about 40 dB (tests/test_fp8_against_int8.py checks
+# calibrated range keeps about 40 dB (tests/quantizer/test_fp8_against_int8.py checks
 # both, and that fp8 wins where a tensor has outlier channels); random-init
 # models have none. Trained checkpoints, where the claim is usually made,
 # cannot be downloaded here.
@@ -138,7 +138,7 @@ FP8_BELOW_W8A8 = {
     "bert": "fp8 27.2, w8a8 36.5",
     "gpt2": "fp8 28.7, w8a8 40.1",
 }
-# check_onnx fails on these (issue 17), not yet explained.
+# check_onnx fails on these, not yet explained.
 ONNX_FAILS = {}
 
 
@@ -268,7 +268,7 @@ def _parity_cases():
     for name, preset in PTQ_CASES:
         if preset in INTEGER_PRESETS:
             why = BELOW_STOCK.get((name, preset))
-            marks = [pytest.mark.xfail(strict=True, reason=f"issue 17.1: {why}")] if why else []
+            marks = [pytest.mark.xfail(strict=True, reason=f"below the better stock quantizer: {why}")] if why else []
             yield pytest.param(name, preset, marks=marks, id=f"{name}-{preset}")
 
 
@@ -292,7 +292,7 @@ def test_integer_presets_match_the_better_stock_quantizer(suite, name, preset):
                                f"{stock[best].float_op_types or 'same'} coverage)")
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.xfail(strict=True, reason=f"issue 17.1: "
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.xfail(strict=True, reason=f"fp8 below w8a8: "
                                                                               f"{FP8_BELOW_W8A8[n]}")]
                                                if n in FP8_BELOW_W8A8 else [])
                                   for n in zoo.NAMES if (n, "fp8") in PTQ_CASES])
@@ -344,7 +344,7 @@ def test_the_saved_qat_program_reproduces_the_converted_model(suite, name, prese
     """Without batch norms the saved program is the converted model, bit for
     bit. With them, save folds conv-bn, whose fp32 rounding can move a
     folded weight across a rounding boundary of its fake quantization and
-    the flip cascades (issue 17.6, open: measured bit for bit on some runs,
+    the flip cascades (measured bit for bit on some runs,
     39.9 dB on resnet18 after 10 steps, benchmarks/README.md). The bound
     until then: the saved program's difference from the converted model at
     least 10 dB below the quantization error itself (the converted model

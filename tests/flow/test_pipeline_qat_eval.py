@@ -1,5 +1,5 @@
 """The QAT eval switch (pipeline.move_to_eval, run by freeze_qat) on the
-shapes of real architectures (issues 17.4, 17.5, 21.2): batch norms keep
+shapes of real architectures: batch norms keep
 their own eps and momentum (torchvision's MobileNetV3 / EfficientNet use
 1e-3 and 0.01; torchao writes 1e-5 and 0.1), and the train-only randomness
 of a train-mode export (SDPA's baked dropout_p, dropouts, torchvision's

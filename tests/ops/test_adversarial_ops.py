@@ -1,4 +1,4 @@
-"""The ops under hostile use (issue 16): forward-mode AD and torch.func,
+"""The ops under hostile use: forward-mode AD and torch.func,
 empty tensors, absurd block sizes, qparams that require grad, bad arguments
 under torch.compile, and unpack_mask's shape. Expected values come from ATen,
 pt2e_fq.reference or hand computation, never from the op under test."""

@@ -102,7 +102,7 @@ BAD = [
         "zero_point_on_other_device", "zero_point is on meta", call(zero_point=ZP.to("meta")),
         ValueError, "zero_point is on meta but x is on cpu",
     ),
-    # Issue 16, item 8: the raw op checks shapes, not only element counts,
+    # The raw op checks shapes, not only element counts,
     # and dtypes, as the Python entry point does. Blocks of 2x2: (2, 3) scales.
     (
         "scale_transposed", "scale",

@@ -103,7 +103,7 @@ def test_default_grad_factor_is_lsq_per_block(gid, shape, block, offset, dtype):
 def test_a_ragged_block_gets_its_own_default_grad_factor():
     # Hand-computed: one row of 40, blocks of 32 and a ragged 8, int4
     # (quant_max 7), every element inside the range at v = 0.125 / 0.5 =
-    # 0.25 (round 0): d scale = gf * n * (0 - 0.25), gf = 1 / sqrt(n * 7).
+    # 0.25 (rounds to 0): d scale = gf * n * (0 - 0.25), gf = 1 / sqrt(n * 7).
     x = torch.full((1, 40), 0.125)
     _, dscale, _ = BACKWARD(torch.ones_like(x), x, [1, 32], torch.full((1, 2), 0.5), None, -8, 7, None, None)
     want = torch.tensor([[32 * -0.25 / (32 * 7) ** 0.5, 8 * -0.25 / (8 * 7) ** 0.5]])

@@ -37,7 +37,7 @@ def _python_block_containing(path: Path, text: str) -> str:
 # w8a8: the input, the relu into the second linear, 2 weights; the logits stay float (quantizers.presets).
 @pytest.mark.parametrize("preset, points", [("w8a8", 4), ("w4a16", 2)])
 def test_user_guide_dynamic_batch_flow_runs_as_written(preset, points, tmp_path, monkeypatch):
-    """Issue 16 item 12: the user guide's whole flow, with
+    """The user guide's whole flow, with
     `dynamic_shapes=({0: torch.export.Dim("batch")},)`, runs as written (its
     `...` is a statement; w4a16 swaps the preset) and its files take any
     batch size: the loaded .pt2 computes what the converted model computes,

@@ -1,5 +1,5 @@
 """Why the fp8 preset sits below w8a8 on the model zoo and where it does not
-(issue 17.1's goal "fp8 at least as good as w8a8", tests/test_model_suite.py's
+(the goal "fp8 at least as good as w8a8", tests/flow/test_model_suite.py's
 FP8_BELOW_W8A8): the two activation points of the presets on one tensor.
 
 FP8 E4M3 keeps 3 mantissa bits: a value in the binade [2**e, 2**(e+1)) of

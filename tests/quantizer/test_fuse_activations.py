@@ -5,7 +5,7 @@ XNNPACK fuses only ReLU and clamps into an int8 conv or linear; a linear
 followed by GELU runs in int8 only with a point on its own output. The
 reference for where the points go is torchao's XNNPACKQuantizer on the same
 graph (prepare_pt2e's observers); for what ExecuTorch makes of them,
-tests/test_export_executorch.py."""
+tests/export/test_export_executorch.py."""
 
 from __future__ import annotations
 

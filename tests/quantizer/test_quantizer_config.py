@@ -180,7 +180,7 @@ def test_a_yaml_key_that_is_not_a_string_is_refused(tmp_path, section):
 
 
 # ---------------------------------------------------------------------------
-# Issue 16, item 19: a type that is not a name; static qparams on a dynamic dimension
+# A type that is not a name; static qparams on a dynamic dimension
 
 
 @pytest.mark.parametrize("field, kind, allowed", [

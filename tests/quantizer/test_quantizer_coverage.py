@@ -1,6 +1,6 @@
 """Linears written as addmm (transformers' Conv1D, GPT-2), mm and einsum are
 quantized as linears, with one weight scale per output channel whichever
-side the weight is stored on (issue 17.2); an op with weights that no
+side the weight is stored on; an op with weights that no
 pattern covers (an LSTM) is named by describe, by a warning at annotate and
 by report.
 
@@ -100,7 +100,7 @@ class GPT2(nn.Module):
 
 
 def test_gpt2_s_conv1d_projections_are_quantized():
-    """Issue 17.2: every Conv1D (attention c_attn, c_proj; MLP c_fc, c_proj)
+    """Every Conv1D (attention c_attn, c_proj; MLP c_fc, c_proj)
     kept its weight float under every preset; now each has a weight point."""
     model = GPT2()
     g = torch.Generator().manual_seed(1)

@@ -1,4 +1,4 @@
-"""In-place ops and no-op casts (issue 21.1): a model written with in-place
+"""In-place ops and no-op casts: a model written with in-place
 ops (torchvision's `out += identity` and `ReLU(inplace=True)`, MobileNetV3's
 `Hardswish(inplace=True)`) is quantized exactly as its out-of-place twin,
 and HF RMSNorm's casts to the dtype a tensor already has add no point.

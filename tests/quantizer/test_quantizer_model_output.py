@@ -1,4 +1,4 @@
-"""The model's output point as a config choice (issue 21.3): with
+"""The model's output point as a config choice: with
 model_output false, an output point read only by the model's outputs is
 left out (as torchao's XNNPACK and X86 quantizers leave logits float); a
 tensor the model also reads keeps its point; describe says so; the choice

@@ -1,4 +1,4 @@
-"""MobileNetV3 under the fp8 preset (issue 17.3): torchvision's
+"""MobileNetV3 under the fp8 preset: torchvision's
 mobilenet_v3_small gave -7.6 dB of SQNR under fp8 where w8a8 gave 14.8. Two
 causes: the presets put an FP8 point on the squeeze-excitation `x * scale`
 and on every residual add (now float, quantizers.presets), and FP8 E4M3

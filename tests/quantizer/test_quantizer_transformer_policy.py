@@ -1,4 +1,4 @@
-"""What the presets quantize in transformers (issue 17.1): on a ViT-shaped
+"""What the presets quantize in transformers: on a ViT-shaped
 model, a Hugging Face Llama and a BERT classifier (tiny configs, random
 init), w8a8 is at least as accurate as torchao's X86InductorQuantizer, the
 better of torchao's two stock quantizers on them, with the same weights and
