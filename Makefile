@@ -28,8 +28,10 @@ $(STAMP): $(SOURCES)
 	$(PY) -m pip install -q --no-build-isolation -e ".[$(EXTRAS)]"
 	touch $@
 
+# The whole suite, on every core (pytest-xdist; tests of one module stay on
+# one worker, so module-scoped fixtures are built once).
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadscope
 
 # Every benchmark script, one after the other (each prints its tables).
 bench: $(STAMP)
