@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from tests.models.mlp import ReluMLP
 from tests.models.quantized import batch, fake_quant_nodes, ptq, qat_prepared
 
 import pt2e_fq as q
@@ -105,15 +106,6 @@ def test_report_leaves_the_model_alone_and_names_a_bad_model():
         q.report(torch.nn.Linear(2, 2), (torch.randn(1, 2),))
 
 
-class _MLP(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
-
-
 # The granularity each preset's weight of fc1 (64 x 64) gets, written out by hand.
 WEIGHT_GRANULARITY = {
     "w8a8": "PerChannel(axis=0)",
@@ -133,7 +125,7 @@ def test_a_saved_program_reports_what_its_model_reports(preset, tmp_path):
 
     torch.manual_seed(0)
     x = torch.randn(8, 64)
-    converted = pipeline.quantize(_MLP().eval(), (x,), preset, calibration=[torch.randn(8, 64) for _ in range(3)],
+    converted = pipeline.quantize(ReluMLP().eval(), (x,), preset, calibration=[torch.randn(8, 64) for _ in range(3)],
                                   progress=False)
     torch.export.save(torch.export.export(converted, (x,)), tmp_path / "m.pt2")
     program = q.load(tmp_path / "m.pt2")
@@ -156,7 +148,7 @@ def test_a_saved_program_reports_what_its_model_reports(preset, tmp_path):
 
 def test_a_program_without_example_inputs_needs_them():
     torch.manual_seed(0)
-    program = torch.export.export(_MLP(), (torch.randn(2, 64),))
+    program = torch.export.export(ReluMLP(), (torch.randn(2, 64),))
     program.example_inputs = None
     with pytest.raises(ValueError, match="saved without example inputs; pass example_inputs"):
         q.report(program, file=None)
@@ -176,8 +168,8 @@ def test_a_float_model_or_program_reports_that_nothing_is_quantized():
     x = torch.randn(2, 64)
     cases = [
         (torch.export.export(_ReluOnly(), (x,)).module(), (x,), 0),
-        (torch.export.export(_MLP(), (x,)).module(), (x,), (64 * 64 + 64 + 8 * 64 + 8) * 4),
-        (torch.export.export(_MLP(), (x,)), None, (64 * 64 + 64 + 8 * 64 + 8) * 4),
+        (torch.export.export(ReluMLP(), (x,)).module(), (x,), (64 * 64 + 64 + 8 * 64 + 8) * 4),
+        (torch.export.export(ReluMLP(), (x,)), None, (64 * 64 + 64 + 8 * 64 + 8) * 4),
     ]
     for model, inputs, float_bytes in cases:
         out = io.StringIO()
@@ -197,7 +189,7 @@ def test_activations_only_report_no_quantized_weights():
 
     act = q.QSpec(q.INT8, q.PerTensor(), "asymmetric")
     x = torch.randn(2, 64)
-    gm = torch.export.export(_MLP(), (x,)).module()
+    gm = torch.export.export(ReluMLP(), (x,)).module()
     gm = prepare_pt2e(gm, FakeQuantQuantizer(QuantizerConfig(OpConfig(input_activation=act, output_activation=act))))
     gm(x)
     out = io.StringIO()

@@ -11,15 +11,7 @@ import torch
 
 from pt2e_fq.app.accuracy import STOCK_QUANTIZERS, sqnr_gap, stock_quantize, stock_weight_bits
 from quantizers import presets
-
-
-class _TwoLinears(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = torch.nn.Linear(64, 32), torch.nn.Linear(32, 8)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
+from tests.models.mlp import ReluMLP
 
 
 def _weight_codes(converted: torch.fx.GraphModule) -> list[tuple[int, int]]:
@@ -40,7 +32,7 @@ def _weight_codes(converted: torch.fx.GraphModule) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("weight_bits, allowed", [(8, (-128, 127)), (4, (-8, 7))])
 def test_stock_flows_store_weight_codes_of_the_width_asked_for(name, weight_bits, allowed):
     torch.manual_seed(0)
-    model, batches = _TwoLinears().eval(), [(torch.randn(4, 64),) for _ in range(2)]
+    model, batches = ReluMLP(64, 32, 8).eval(), [(torch.randn(4, 64),) for _ in range(2)]
     converted = stock_quantize(model, batches[0], batches, name, weight_bits)
     codes = _weight_codes(converted)
     assert len(codes) == 2, f"{name}: expected both linears' weights quantized per channel, got {codes}"
@@ -58,7 +50,7 @@ def test_a_preset_is_measured_against_stock_weights_of_its_own_width():
 
 def test_stock_quantize_names_the_weight_widths_it_has():
     with pytest.raises(ValueError, match=r"weight_bits must be one of \(8, 4\), got 6"):
-        stock_quantize(_TwoLinears(), (torch.randn(2, 64),), [], "XNNPACKQuantizer", 6)
+        stock_quantize(ReluMLP(64, 32, 8), (torch.randn(2, 64),), [], "XNNPACKQuantizer", 6)
 
 
 def test_sqnr_gap_and_its_standard_error_by_hand():
