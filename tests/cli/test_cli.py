@@ -239,6 +239,7 @@ def test_report_load_failure_prints_no_traceback(tmp_path):
     assert "cannot load" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_demo_end_to_end(tmp_path):
     """The demo, shorter (3 float epochs, 1 QAT epoch): a float CNN that
     learns the digits, PTQ w8a8 and QAT w4a8 close to it, the table and its

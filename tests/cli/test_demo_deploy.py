@@ -10,6 +10,7 @@ from tests.export.test_export_executorch import MISSING
 from pt2e_fq.app import demo
 
 
+@pytest.mark.slow
 def test_the_runtime_rows_classify_as_the_fake_quant_models_do(tmp_path):
     lines = []
     result = demo.run(tmp_path, float_epochs=2, qat_epochs=1, progress=False, log=lines.append)

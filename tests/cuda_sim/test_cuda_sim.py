@@ -39,6 +39,9 @@ from pt2e_fq.blocks import reduce_blocks
 from pt2e_fq.formats import ELEMENTS
 from pt2e_fq.qparams import int_range_limit
 
+# Every kernel variant through the ASan-built harness, a process per case: minutes.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 SIM = ROOT / "tests" / "cuda_sim"
 CUDA_SOURCES = sorted((ROOT / "pt2e_fq" / "csrc" / "cuda").glob("*.cu"))

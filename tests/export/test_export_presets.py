@@ -34,6 +34,10 @@ def _points(gm) -> list:
     return [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), q.FakeQuantize)]
 
 
+# The fixture converts every preset on every model: its tests share one worker.
+pytestmark = pytest.mark.xdist_group("export_presets")
+
+
 @pytest.fixture(scope="module")
 def converted():
     return {(p, m): _converted(p, m) for p in presets.PRESETS for m in MODELS}

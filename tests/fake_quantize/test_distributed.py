@@ -30,7 +30,8 @@ from pt2e_fq.app.models import MLP
 WORLD = 2
 PG_TIMEOUT_S = 20  # a collective no rank answers fails after this, rather than hanging the test
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+pytestmark = [pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"),
+              pytest.mark.slow, pytest.mark.xdist_group("distributed")]
 
 
 def _run(fn, out_dir, *args):

@@ -18,7 +18,8 @@ import pt2e_fq as q
 import pt2e_fq.distributed as qdist
 
 WORLD = 2
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+pytestmark = [pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"),
+              pytest.mark.slow]
 
 
 class _LearnedLinear(torch.nn.Module):

@@ -83,6 +83,9 @@ from pt2e_fq.app.accuracy import (
 from pt2e_fq.export import check_onnx, to_onnx
 from quantizers import presets
 
+# Real architectures through every stage: minutes; one worker builds the suite.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("model_suite")]
+
 ROOT = Path(__file__).resolve().parents[2]
 PRESETS = ("w8a8", "w4a8", "w4a16", "w8a16", "fp8", "mxfp8", "mxfp4", "nvfp4")
 INTEGER_PRESETS = ("w8a8", "w4a8", "w4a16", "w8a16")

@@ -26,6 +26,7 @@ def test_committed_with_the_outputs_of_a_full_run(path):
     assert not [o for c in code for o in c.outputs if o.output_type == "error"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_runs_without_error(path, monkeypatch):
     monkeypatch.setenv("NOTEBOOK_QUICK", "1")

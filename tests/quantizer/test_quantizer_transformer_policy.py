@@ -113,6 +113,7 @@ def _x86(model, calibration):
     return convert_pt2e(prepared)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("build", [_vit, _llama, _bert], ids=["vit", "llama", "bert"])
 def test_w8a8_is_at_least_as_accurate_as_torchao_x86_on_transformers(build):
     model, batches = build()
