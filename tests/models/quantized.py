@@ -16,6 +16,7 @@ from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e, 
 
 import pt2e_fq as q
 from pt2e_fq import reference
+from pt2e_fq.app import pipeline
 
 QAT_SHAPE = (8, 3, 8, 8)
 
@@ -79,15 +80,16 @@ def qat_prepared(conv_bias: bool = True) -> torch.fx.GraphModule:
 
 @functools.lru_cache(maxsize=None)
 def _qat_converted() -> torch.fx.GraphModule:
-    # convert_pt2e takes ~30 s here: torchao's _fold_conv_bn_qat exports 96
-    # q/dq patterns, none of which can match our fake-quant nodes.
-    converted = convert_pt2e(qat_prepared())
+    # pipeline.convert: convert_pt2e's graph without torchao's conv-bn fold
+    # search (~30 s here, 96 q/dq patterns, none of which can match our
+    # fake-quant nodes; tests/cli/test_pipeline.py checks the graphs agree).
+    converted = pipeline.convert(qat_prepared())
     tao.move_exported_model_to_eval(converted)
     return converted
 
 
 def qat_converted() -> torch.fx.GraphModule:
-    """qat_prepared() through convert_pt2e, in eval mode (a fresh copy)."""
+    """qat_prepared() converted, in eval mode (a fresh copy)."""
     return copy.deepcopy(_qat_converted())
 
 
