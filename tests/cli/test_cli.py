@@ -35,6 +35,7 @@ def run_cli(*args, script=False):
 QUANTIZE = ["quantize", "--model", "tests.models.cli:tiny_mlp", "--example-input", "8x16", "--no-progress"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "script, args, status, message",
     [
@@ -229,6 +230,7 @@ def test_report_errors(capsys, tmp_path):
     assert rc == 2 and f"cannot load {str(bad)!r} as a torch.export program" in err
 
 
+@pytest.mark.slow
 def test_report_load_failure_prints_no_traceback(tmp_path):
     # torch.export.load logs a traceback (a logging warning) before it raises.
     bad = tmp_path / "bad.pt2"
@@ -375,6 +377,7 @@ def test_model_errors_are_one_line(capsys, tmp_path, monkeypatch):
                    "boom at import")
 
 
+@pytest.mark.slow
 def test_a_model_torch_export_rejects_is_one_line_in_a_fresh_process():
     """torch.export printed the partial graph (twice) and a multi-line report."""
     result = run_cli("quantize", "--model", "tests.cli.test_cli:DataDependent", "--example-input", "8x16", "--preset", "w8a8",

@@ -15,6 +15,7 @@ from quantizers import presets
 qd = torch.ops.quantized_decomposed
 
 
+@pytest.mark.slow
 def test_target_x86_inductor_saves_a_qdq_program_within_one_step_of_the_fake_quant_one(capsys, tmp_path):
     fq, lowered = tmp_path / "fq.pt2", tmp_path / "x86.pt2"
     # w8a8 on every tensor, so the output has a step to bound the difference by (the preset leaves it float).
@@ -47,6 +48,7 @@ def test_bad_target_and_pte_arguments(capsys, tmp_path):
     assert rc == 2 and "--unsupported keep leaves pt2e_fq ops" in err
 
 
+@pytest.mark.slow
 @needs_executorch
 def test_pte_is_written_and_checked_in_executorch(capsys, tmp_path):
     pte = tmp_path / "m.pte"
@@ -62,6 +64,7 @@ def test_pte_is_written_and_checked_in_executorch(capsys, tmp_path):
     assert "5 point(s) as q/dq, 0 weight(s) in float" in out and "outside: none" in out
 
 
+@pytest.mark.slow
 @needs_executorch
 def test_pte_puts_a_point_between_a_linear_and_its_gelu(capsys, tmp_path):
     # --pte quantizes with presets.every_point(preset, target="xnnpack"): the first

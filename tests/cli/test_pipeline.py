@@ -138,6 +138,7 @@ def _conv_bn_qat(quantizer):
     return pipeline.freeze_qat(prepared, torch.randn(8, 3, 6, 6))
 
 
+@pytest.mark.slow
 def test_convert_gives_convert_pt2e_s_graph():
     prepared = _conv_bn_qat("w8a8")
     ours, theirs = pipeline.convert(copy.deepcopy(prepared)), convert_pt2e(copy.deepcopy(prepared))
@@ -147,6 +148,7 @@ def test_convert_gives_convert_pt2e_s_graph():
     assert torch.equal(ours(x), theirs(x))
 
 
+@pytest.mark.slow
 def test_convert_runs_torchao_s_fold_when_a_point_is_not_ours(monkeypatch):
     prepared = _conv_bn_qat("w8a8")
     name = next(n for n, m in prepared.named_modules() if isinstance(m, FakeQuantize))

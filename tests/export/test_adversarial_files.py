@@ -116,6 +116,7 @@ def test_an_exception_in_the_writer_propagates_and_leaves_nothing(converted, tmp
     assert path.read_bytes() == OLD and _entries(tmp_path) == {"model.pt2"}
 
 
+@pytest.mark.slow
 @needs_dev_full
 def test_save_to_a_full_disk_is_an_error_not_an_abort(tmp_path):
     """torch's archive writer aborts the process (SIGABRT) on a failed disk
@@ -191,6 +192,7 @@ def _run_cli(*args):
                           text=True, timeout=600)
 
 
+@pytest.mark.slow
 @needs_dev_full
 @pytest.mark.parametrize("flag, name", [("--out", "model.pt2"), ("--onnx", "model.onnx")])
 def test_cli_quantize_to_a_full_disk_exits_1_with_one_line(flag, name, tmp_path):
@@ -212,6 +214,7 @@ def test_cli_quantize_failed_write_keeps_the_old_file(tmp_path, monkeypatch, cap
     assert path.read_bytes() == OLD and _entries(tmp_path) == {"model.pt2"}
 
 
+@pytest.mark.slow
 @needs_dev_full
 def test_demo_to_a_full_disk_exits_1_with_one_line(tmp_path):
     link = _link_to_dev_full(tmp_path, "float.pt2")  # the demo's first file
@@ -233,6 +236,7 @@ def _tiny_bert():
     return BertModel(config).eval(), torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(0))
 
 
+@pytest.mark.slow
 def test_a_transformers_model_output_program_loads_in_a_fresh_process(tmp_path):
     """torch.export.load of a program returning a ModelOutput failed in a
     fresh process ("... in pytree is not registered"): the type registers

@@ -25,6 +25,9 @@ except ImportError as e:  # make test installs the extra; a bare checkout may no
 
 needs_executorch = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
 
+# Each test lowers and runs a program in ExecuTorch: tens of seconds apiece.
+pytestmark = pytest.mark.slow
+
 
 def _assert_within_one_step(out, model, x):
     ref = model(x)

@@ -208,6 +208,7 @@ def test_a_dynamic_batch_program_keeps_its_dynamic_batch():
         _within_one_step(lowered.module()(xb), model, xb)
 
 
+@pytest.mark.slow
 def test_compiled_with_freezing_inductor_runs_onednn_int8_kernels():
     from torch._inductor.utils import run_and_get_code
 
@@ -224,6 +225,7 @@ def test_compiled_with_freezing_inductor_runs_onednn_int8_kernels():
     assert check_lowered(compiled, model, x).ok
 
 
+@pytest.mark.slow
 def test_compiled_encoder_block_leaves_its_input_alone():
     from torch._inductor.utils import run_and_get_code
 
@@ -253,6 +255,7 @@ def _inductor_calls(compiled, x) -> list:
                              "\n".join(code)))
 
 
+@pytest.mark.slow
 def test_the_x86_inductor_preset_compiles_the_block_as_the_stock_flow_does():
     from pt2e_fq.app.accuracy import stock_quantize
 

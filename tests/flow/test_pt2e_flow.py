@@ -255,6 +255,7 @@ def test_qat_weight_gradient_is_the_straight_through_estimator():
 # torch.compile
 
 
+@pytest.mark.slow
 def test_compile_fullgraph_of_prepared_model_with_observers_off_and_of_converted_model():
     gm = calibrated(CONFIGS["int4-dynamic"])
     gm.apply(tao.disable_observer)

@@ -162,7 +162,7 @@ def compile_params():
     # and aot_eager all four.
     picked = [VARIANTS[0], VARIANTS[2], VARIANTS[5], VARIANTS[7]]
     return [
-        pytest.param(v, backend, id=f"{v[0]}-{backend}")
+        pytest.param(v, backend, id=f"{v[0]}-{backend}", marks=[pytest.mark.slow] if backend == "inductor" else [])
         for v in picked
         for backend in (["aot_eager", "inductor"] if v in picked[::2] else ["aot_eager"])
     ]

@@ -116,6 +116,7 @@ def test_compile_fullgraph_forward_and_backward(name):
     assert torch.equal(y, fn(x)) and torch.equal(grad, eager_grad)
 
 
+@pytest.mark.slow
 def test_compile_with_inductor():
     fn = VARIANTS["mxfp8_axis_last"]
     x = sample().requires_grad_()

@@ -120,6 +120,7 @@ def test_an_add_left_in_float_keeps_the_convs_output_point():
     assert plan.num_modules == unfused.num_modules
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fuse, qat_steps", [(True, 0), (False, 0), (True, 3)])
 def test_inductor_runs_each_conv_add_relu_as_one_qconv2d_binary_call(fuse, qat_steps):
     from torch._inductor.utils import run_and_get_code
@@ -142,6 +143,7 @@ def test_inductor_runs_each_conv_add_relu_as_one_qconv2d_binary_call(fuse, qat_s
     assert check.outputs[0].max_steps <= 2 + 1e-3, str(check)
 
 
+@pytest.mark.slow
 def test_the_fused_model_exports_to_pt2_and_onnx_with_its_numerics(tmp_path):
     model = _converted(True)
     x = batch(7, SHAPE)
