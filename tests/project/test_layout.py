@@ -6,6 +6,7 @@ application layer; only pt2e_fq.app imports quantizers."""
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -130,7 +131,7 @@ def test_the_walk_sees_imports_inside_functions(tmp_path, monkeypatch):
     (tmp_path / "quantizers").mkdir()
     (tmp_path / "quantizers" / "__init__.py").write_text("")
     (tmp_path / "quantizers" / "presets.py").write_text("")
-    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     (pkg / "app").mkdir()
     (pkg / "app" / "__init__.py").write_text("")
     (pkg / "app" / "cli.py").write_text("")
