@@ -14,11 +14,11 @@ from __future__ import annotations
 import pickle
 import re
 
-import cli_models
+from tests.models import cli as cli_models
 import pytest
 import torch
-from conftest import cli_main
-from quantizer_models import single_thread  # noqa: F401 (an autouse fixture: one thread)
+from tests.conftest import cli_main
+from tests.models.quantizer import single_thread  # noqa: F401 (an autouse fixture: one thread)
 
 from pt2e_fq.app import pipeline
 from pt2e_fq.export import check_lowered, run_pte, to_executorch
@@ -115,7 +115,7 @@ def test_cli_a_file_that_is_not_a_torch_file_is_one_line(flag, write, capsys, tm
     write(path)
     args = {"--example-input": ["--example-input", str(path)],
             "--calib-data": ["--example-input", "4x16", "--calib-data", str(path)]}[flag]
-    rc, _, err = cli_main(capsys, "quantize", "--model", "cli_models:tiny_mlp", *args, "--preset", "w8a8",
+    rc, _, err = cli_main(capsys, "quantize", "--model", "tests.models.cli:tiny_mlp", *args, "--preset", "w8a8",
                           "--no-progress")
     assert rc == 2
     assert err.splitlines() == [
@@ -126,7 +126,7 @@ def test_cli_a_file_that_is_not_a_torch_file_is_one_line(flag, write, capsys, tm
 def test_cli_a_torch_file_the_safe_loader_refuses_names_the_reason_not_the_unsafe_retry(capsys, tmp_path):
     path = tmp_path / "inputs.pt"
     _legacy_header_then_garbage(path)
-    rc, _, err = cli_main(capsys, "quantize", "--model", "cli_models:tiny_mlp", "--example-input", str(path),
+    rc, _, err = cli_main(capsys, "quantize", "--model", "tests.models.cli:tiny_mlp", "--example-input", str(path),
                           "--preset", "w8a8")
     assert rc == 2
     assert "weights_only` set to `False`" not in err and "weights_only=False" not in err
@@ -138,6 +138,6 @@ def test_cli_a_torch_file_the_safe_loader_refuses_names_the_reason_not_the_unsaf
 def test_cli_a_torch_file_in_the_legacy_format_still_loads(capsys, tmp_path):
     path = tmp_path / "inputs.pt"
     torch.save(X, path, _use_new_zipfile_serialization=False)
-    rc, out, err = cli_main(capsys, "quantize", "--model", "cli_models:tiny_mlp", "--example-input", str(path),
+    rc, out, err = cli_main(capsys, "quantize", "--model", "tests.models.cli:tiny_mlp", "--example-input", str(path),
                             "--preset", "w8a8", "--no-progress")
     assert rc == 0, err

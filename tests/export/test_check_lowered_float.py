@@ -16,8 +16,8 @@ import copy
 
 import pytest
 import torch
-from conftest import cli_main
-from quantizer_models import single_thread  # noqa: F401 (an autouse fixture: one thread)
+from tests.conftest import cli_main
+from tests.models.quantizer import single_thread  # noqa: F401 (an autouse fixture: one thread)
 
 from pt2e_fq.app import digits, pipeline
 from pt2e_fq.app.models import EncoderBlock
@@ -141,7 +141,7 @@ def test_a_nan_where_ours_is_a_number_fails():
     assert check.problems() == ["output 0 is NaN or infinite where ours is a number, or the reverse"]
 
 
-QUANTIZE = ["quantize", "--model", "cli_models:tiny_mlp", "--example-input", "8x16", "--no-progress",
+QUANTIZE = ["quantize", "--model", "tests.models.cli:tiny_mlp", "--example-input", "8x16", "--no-progress",
             "--preset", "w8a8"]
 
 

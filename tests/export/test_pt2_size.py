@@ -11,7 +11,7 @@ buffer and constant bytes, plus the example inputs' own bytes, plus 1 MiB
 from __future__ import annotations
 
 import torch
-from quantizer_models import single_thread  # noqa: F401 (an autouse fixture: one thread)
+from tests.models.quantizer import single_thread  # noqa: F401 (an autouse fixture: one thread)
 
 import pt2e_fq
 from pt2e_fq.app import pipeline
