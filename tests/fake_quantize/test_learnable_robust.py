@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import assert_bits_equal
+from tests.conftest import assert_bits_equal
 import pt2e_fq as q
 from pt2e_fq import reference
 from pt2e_fq.fake_quantize import FakeQuantize

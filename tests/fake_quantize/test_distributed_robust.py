@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from rank_processes import spawn_ranks
+from tests.fake_quantize.rank_processes import spawn_ranks
 
 import pt2e_fq as q
 import pt2e_fq.distributed as qdist

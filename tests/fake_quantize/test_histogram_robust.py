@@ -25,7 +25,7 @@ from pt2e_fq.observers import MAX_HISTOGRAM_BINS, HistogramObserver
 from quantizers import QuantizerConfig
 from quantizers.qspec_dict import ConfigError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FMAX = torch.finfo(torch.float32).max
 
 

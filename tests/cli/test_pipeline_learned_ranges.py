@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import cli_models
-from conftest import cli_main
+from tests.models import cli as cli_models
+from tests.conftest import cli_main
 import pt2e_fq as q
 from pt2e_fq.app import pipeline
 from pt2e_fq.fake_quantize import FakeQuantize
@@ -79,7 +79,7 @@ def test_cli_quantize_learns_learnable_ranges(trained_scales, capsys, tmp_path):
     config, data = tmp_path / "learnable.yaml", tmp_path / "calib.pt"
     _config().save(config)
     torch.save(batches, data)
-    rc, _, err = cli_main(capsys, "quantize", "--model", "cli_models:tiny_mlp", "--example-input", "16x16",
+    rc, _, err = cli_main(capsys, "quantize", "--model", "tests.models.cli:tiny_mlp", "--example-input", "16x16",
                           "--config", str(config), "--calib-data", str(data), "--qat-steps", str(STEPS),
                           "--lr", str(LR), "--no-progress")
     assert rc == 0, err
