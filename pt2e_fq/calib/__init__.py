@@ -79,11 +79,14 @@ class CalibReport:
         return head + "\n" + tabulate(rows, headers=("layer", "weight", "SQNR RTN dB", "SQNR after dB"))
 
 
-def _output_sqnr(weight: torch.Tensor, error: torch.Tensor, second_moment: torch.Tensor) -> float:
-    """10 log10(tr(W H W^T) / tr(E H E^T)), summed over groups."""
+def _output_sqnr(weight: torch.Tensor, error: torch.Tensor, second_moment: torch.Tensor,
+                 noise_moment: torch.Tensor) -> float:
+    """10 log10(tr(W H W^T) / tr(E M E^T)), summed over groups: the output
+    power over the power of the output error, whose inputs' moment M is H,
+    or the covariance where bias correction has removed the mean error."""
     w, e = weight.double(), error.double()
     signal = ((w @ second_moment) * w).sum().item()
-    noise = ((e @ second_moment) * e).sum().item()
+    noise = ((e @ noise_moment) * e).sum().item()
     return 10 * math.log10(signal / noise) if noise > 0 else math.inf
 
 
@@ -126,8 +129,8 @@ def apply(prepared: torch.fx.GraphModule, batches: Iterable, *, gptq_rounding: b
         if gptq_rounding:
             _layers.set_weight(prepared, layer, rounded.reshape(layer.weight_shape))
         report.layers.append(LayerResult(layer.weight_name, str(layer.point.qspec),
-                                         _output_sqnr(w, w - nearest, h),
-                                         _output_sqnr(w, w - rounded, after_moment)))
+                                         _output_sqnr(w, w - nearest, h, h),
+                                         _output_sqnr(w, w - rounded, h, after_moment)))
     for m in points:  # weight points stay off: their grid is the one the weights were rounded on
         m.enable_observer(observing[id(m)] and id(m) not in weight_points)
     report.seconds = time.perf_counter() - start

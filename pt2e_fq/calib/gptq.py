@@ -47,7 +47,8 @@ def gptq(weight: torch.Tensor, h: torch.Tensor, quantize: Callable[[torch.Tensor
         raise ValueError(f"gptq: weight (groups, rows, n) and h (groups, n, n) expected, got "
                          f"{tuple(weight.shape)} and {tuple(h.shape)}")
     # Columns first: each column is one contiguous row of `w` (the loop reads and writes them).
-    w = weight.detach().float().transpose(1, 2).contiguous()
+    # A copy always (contiguous() of a (groups, 1, n) weight would be the weight itself).
+    w = weight.detach().float().transpose(1, 2).clone(memory_format=torch.contiguous_format)
     h = h.double().clone()
     diagonal = h.diagonal(dim1=-2, dim2=-1)
     diagonal[diagonal == 0] = 1.0  # dead inputs: no feedback through them
