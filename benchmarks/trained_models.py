@@ -133,7 +133,7 @@ def _load_image(source: str) -> torch.Tensor:
         array = getattr(skimage.data, source)()
         if isinstance(array, tuple):  # stereo_motorcycle: (left, right, disparity)
             array = array[0]
-    t = torch.as_tensor(array)
+    t = torch.as_tensor(array.copy())
     if t.dtype == torch.bool:
         t = t.to(torch.uint8) * 255
     t = t.float() / (255.0 if t.max() > 1 else 1.0)
@@ -161,6 +161,17 @@ def _crops(image: torch.Tensor, count: int, g: torch.Generator) -> torch.Tensor:
             crop = crop.flip(-1)
         out.append((crop.clamp(0, 1) - mean) / std)
     return torch.stack(out)
+
+
+def center_crop(source: str) -> torch.Tensor:
+    """(1, 3, IMAGE_SIZE, IMAGE_SIZE): the largest central square of an image source, normalised."""
+    image = _load_image(source)
+    _, h, w = image.shape
+    side = min(h, w)
+    crop = image[:, (h - side) // 2:(h - side) // 2 + side, (w - side) // 2:(w - side) // 2 + side].unsqueeze(0)
+    crop = F.interpolate(crop, size=(IMAGE_SIZE, IMAGE_SIZE), mode="bilinear", antialias=True, align_corners=False)
+    mean, std = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    return (crop.clamp(0, 1) - mean) / std
 
 
 def _image_set(sources: Sequence[str], crops: int, seed: int, batch: int) -> list[torch.Tensor]:
