@@ -4,16 +4,18 @@ form of GPTQ with an explicit inverse Hessian, the mean output error by
 direct products), and calib.apply on a small prepared model."""
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
-from pt2e_fq import calib
+from pt2e_fq import FP8_E4M3, INT4, INT8, MXFP4, NVFP4, CurrentMinMaxObserver, FakeQuantize, PerChannel, PerGroup, QSpec, calib
 from pt2e_fq.app import pipeline
 from pt2e_fq.calib.bias_correction import bias_correction
 from pt2e_fq.calib.gptq import gptq
+from pt2e_fq.calib.layers import LINEAR, Layer
 
 
 def _grid(scale: float):
@@ -159,3 +161,24 @@ def test_apply_gives_a_bias_to_a_layer_without_one():
 def test_apply_rejects_a_module_that_is_not_a_graph():
     with pytest.raises(TypeError, match="calib.apply: prepared must be the GraphModule"):
         calib.apply(nn.Linear(2, 2), [])
+
+
+@pytest.mark.parametrize("spec", [
+    QSpec(INT4, PerGroup(32, 1), "asymmetric", "minval", observer=CurrentMinMaxObserver()),
+    QSpec(INT8, PerChannel(0), "symmetric_narrow", observer=CurrentMinMaxObserver()),
+    QSpec(FP8_E4M3, PerChannel(0), observer=CurrentMinMaxObserver()),
+    QSpec(NVFP4, PerGroup(16, 1), observer=CurrentMinMaxObserver()),
+    QSpec(MXFP4, PerGroup(32, 1), dynamic=True),
+], ids=str)
+def test_column_quantizer_is_the_op_on_the_whole_weight(spec):
+    """GPTQ's column-by-column rounding gives, column for column, what the
+    weight point's op gives on the whole weight (ragged last group included)."""
+    torch.manual_seed(0)
+    point = FakeQuantize(spec)
+    w = torch.randn(24, 80)
+    point(w)
+    point.enable_observer(False)
+    layer = Layer(SimpleNamespace(target=LINEAR), "w", point, w.shape)
+    quantize, columns = layer.column_quantizer(), w.T.unsqueeze(0).contiguous()
+    got = torch.stack([quantize(columns, j)[0] for j in range(w.shape[1])], 1)
+    torch.testing.assert_close(got, point(w), atol=0, rtol=0)

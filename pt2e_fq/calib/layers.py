@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from ..fake_quantize import FakeQuantize
-from ..format_kinds import INTEGER, SCALED_FLOAT
+from ..format_kinds import INTEGER, MX, NVFP4, SCALED_FLOAT
 
 aten = torch.ops.aten
 LINEAR, CONV2D = aten.linear.default, aten.conv2d.default
@@ -61,10 +61,24 @@ class Layer:
         by the weight point's op. A static integer or scaled-float point rounds
         each element on its own qparams: the op runs on the column alone with
         those qparams expanded to one per element (the same arithmetic as on
-        the whole weight). Otherwise (block scales computed in the kernel:
+        the whole weight). MX and NVFP4 blocks along the columns of a linear
+        or pointwise conv: the op on column j's block. Otherwise (block scales computed in the kernel:
         MX, NVFP4) the op runs on the whole weight, where a block's scale
         sees the block's current values."""
         spec = self.point.qspec
+        if spec.kind in (MX, NVFP4) and self.groups == 1 and self.weight_shape[2:].numel() == 1:
+            # Blocks run along the columns (a linear's or pointwise conv's input channels): the op
+            # on the block holding column j alone gives what it gives on the whole weight.
+            size = spec.granularity.group_size
+            tail = (1,) * (len(self.weight_shape) - 2)
+
+            def quantize_block(columns, j):
+                start = j - j % size
+                block = columns[0, start:start + size].T
+                with torch.no_grad():
+                    return self.point(block.reshape(*block.shape, *tail)).reshape(block.shape)[:, j - start][None]
+
+            return quantize_block
         if spec.dynamic or spec.kind not in (INTEGER, SCALED_FLOAT):
             return lambda columns, j: self.quantize(columns.transpose(1, 2))[:, :, j]
         block = spec.granularity.block_size(self.weight_shape)
