@@ -73,7 +73,7 @@ def _ours(model, calibration, name: str, default: bool):
 DIGITS = {"top1": 1, "top5": 1, "kl": 3, "sqnr": 1, "cosine": 4, "nn": 1, "spearman": 4}
 
 
-def run(name: str, preset_names, quick: bool, layers: int) -> None:
+def run(name: str, preset_names, quick: bool, layers: int, stock_bits=accuracy.STOCK_WEIGHT_BITS) -> None:
     model, calibration, held_out, metrics, keys = _setup(name, quick)
     reference = tm.outputs(model, held_out)
     rows, worst = [], []
@@ -93,7 +93,7 @@ def run(name: str, preset_names, quick: bool, layers: int) -> None:
             if report is not None and layers:
                 worst.append((preset, report))
     for stock in accuracy.STOCK_QUANTIZERS:
-        for bits in accuracy.STOCK_WEIGHT_BITS:
+        for bits in stock_bits:
             converted = accuracy.stock_quantize(model, calibration[0], calibration, stock, bits)
             add(stock, f"w{bits}a8", converted)
     n = sum(len(b[0]) if isinstance(b, tuple) else len(b) for b in held_out)
@@ -114,12 +114,14 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="64 crops / 128 sentences held out")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--layers", type=int, default=5, help="worst layers listed per preset (0: none)")
+    parser.add_argument("--stock-bits", nargs="*", type=int, default=accuracy.STOCK_WEIGHT_BITS,
+                        choices=accuracy.STOCK_WEIGHT_BITS, help="weight widths of the stock flows (none: no stock rows)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     for name in args.models:
         start = time.perf_counter()
-        run(name, args.presets, args.quick, args.layers)
+        run(name, args.presets, args.quick, args.layers, args.stock_bits)
         print(f"({name}: {time.perf_counter() - start:.0f} s)")
 
 
