@@ -13,7 +13,7 @@ errors, and the coverage of a converted graph.
 Data are split by source: no image and no module's docstrings appear in
 both the calibration and the held-out set. Sources, crop counts and seeds
 are fixed here; the benchmark (bench_trained.py) and the tests
-(tests/test_trained_models.py, reduced sizes) take them from this module.
+(tests/flow/test_trained_models.py, reduced sizes) take them from this module.
 """
 
 from __future__ import annotations

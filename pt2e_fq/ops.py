@@ -34,7 +34,7 @@ _OP_NVFP4 = torch.ops.pt2e_fq.fake_quantize_nvfp4.default
 
 # Argument checks. The C++ kernels check every argument they read, so on the
 # success path a wrapper only calls its op (a Python check costs more than
-# the op on a small tensor, issue 15). When the op raises, the Python check
+# the op on a small tensor: benchmarks/bench_overhead.py). When the op raises, the Python check
 # below runs and, where it finds the argument at fault, raises its message,
 # which names the argument, what was wrong and what is allowed. Two things
 # the op's schema lets through are checked first: a bool or a 0-dim tensor
