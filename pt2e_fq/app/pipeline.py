@@ -43,6 +43,7 @@ from tqdm import tqdm
 from quantizers import FakeQuantQuantizer, QuantizerConfig, presets
 from quantizers.patterns import DROPOUTS
 
+from .. import calib
 from ..inputs import as_args
 from ..fake_quantize import FakeQuantize
 
@@ -424,9 +425,15 @@ def quantize(
     lr: float = 1e-4,
     progress: bool = True,
     dynamic_batch: bool = True,
+    algorithms: bool = True,
 ) -> torch.fx.GraphModule:
     """The whole flow for a model without labels. PTQ: prepare, calibrate on
-    `calibration` (batches; default: the example inputs), convert. With
+    `calibration` (batches; default: the example inputs), convert. For a
+    preset name, PTQ runs the preset's defaults unless `algorithms` is
+    False: on a convolutional network the 4-bit presets keep the first conv,
+    depthwise convs and classifier at int8 weights (presets.int8_edges), and
+    pt2e_fq.calib.apply runs the algorithms of presets.PTQ_ALGORITHMS
+    between calibration and convert. With
     qat_steps > 0: prepare for QAT, calibrate, then train `qat_steps` steps
     (Adam, `lr`) to match the float model's outputs on the calibration
     batches (distillation, mean squared error), learnable ranges with the
@@ -442,8 +449,13 @@ def quantize(
     if not batches:
         raise ValueError("quantize: calibration holds no batch")
     model = copy.deepcopy(model)
+    name = config if algorithms and qat_steps == 0 and isinstance(config, str) else None
+    if name in presets.INT8_EDGE_PRESETS:
+        config = presets.int8_edges(presets.get_preset(name), model)
     prepared = prepare(model, example, config, qat=qat_steps > 0, dynamic_batch=dynamic_batch)
     calibrate(prepared, batches, progress=progress)
+    if name in presets.PTQ_ALGORITHMS:
+        calib.apply(prepared, batches)
     if qat_steps > 0:
         start_learning_ranges(prepared)
         model.eval()
