@@ -162,6 +162,27 @@ def _torchao_conv_bn_fold_skipped():
         qat_utils._fold_conv_bn_qat_helper = helper
 
 
+def start_learning_ranges(prepared: torch.nn.Module) -> torch.nn.Module:
+    """Turns off the observers of the learnable points (QSpec(learnable=True)),
+    in place. Call it after calibration, before QAT: a learnable point's
+    observer, while on, sets its qparams at every forward, overwriting what
+    the optimizer learned. The other points keep theirs.
+
+    Args:
+        prepared: a model from prepare_qat_pt2e, calibrated.
+
+    Returns:
+        `prepared`.
+
+    Raises:
+        Nothing: a model without learnable points is left as it is.
+    """
+    for m in prepared.modules():
+        if isinstance(m, FakeQuantize) and m.qspec.learnable:
+            m.disable_observer()
+    return prepared
+
+
 def freeze_qat(prepared: torch.fx.GraphModule, batch) -> torch.fx.GraphModule:
     """Ends QAT, in place: `move_exported_model_to_eval`, one forward of
     `batch` with the observers on, so the weight qparams of a conv-bn see the
@@ -180,9 +201,7 @@ def freeze_qat(prepared: torch.fx.GraphModule, batch) -> torch.fx.GraphModule:
     """
     move_exported_model_to_eval(prepared)
     prepared.apply(tao.enable_observer)
-    for m in prepared.modules():  # a learned range is kept as trained
-        if isinstance(m, FakeQuantize) and m.qspec.learnable:
-            m.disable_observer()
+    start_learning_ranges(prepared)  # a learned range is kept as trained
     with torch.no_grad():
         prepared(*as_args(batch))
     prepared.apply(tao.disable_observer)

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 import torchao.quantization.pt2e as tao
-from flow_models import batches, calibrate, qat_prepared
-from quantizer_models import single_thread  # noqa: F401 (an autouse fixture)
+from tests.models.stock_flow import batches, calibrate, qat_prepared
+from tests.models.quantizer import single_thread  # noqa: F401 (an autouse fixture)
 from torchao.quantization.pt2e import qat_utils
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e as torchao_convert_pt2e
 

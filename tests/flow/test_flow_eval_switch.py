@@ -14,8 +14,8 @@ import copy
 import pytest
 import torch
 import torchao.quantization.pt2e as tao
-from flow_models import EPS, MOMENTUM, batch_norm_literals, batches, build, calibrate, qat_prepared, quantizer
-from quantizer_models import single_thread  # noqa: F401 (an autouse fixture)
+from tests.models.stock_flow import EPS, MOMENTUM, batch_norm_literals, batches, build, calibrate, qat_prepared, quantizer
+from tests.models.quantizer import single_thread  # noqa: F401 (an autouse fixture)
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e as torchao_convert_pt2e
 from torchao.quantization.pt2e.quantize_pt2e import prepare_qat_pt2e
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from flow_models import EPS, MODELS, MOMENTUM, batch_norm_literals, batches, build, calibrate, qat_prepared, stock_ptq
-from quantizer_models import single_thread, sqnr_db  # noqa: F401 (an autouse fixture)
+from tests.models.stock_flow import EPS, MODELS, MOMENTUM, batch_norm_literals, batches, build, calibrate, qat_prepared, stock_ptq
+from tests.models.quantizer import single_thread, sqnr_db  # noqa: F401 (an autouse fixture)
 
 import pt2e_fq
 
