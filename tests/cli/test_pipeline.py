@@ -45,7 +45,9 @@ def test_ptq_takes_any_batch_size_and_stays_close_to_float():
     with torch.no_grad():
         assert sqnr_db(model(x), y) > 30
     # Frozen per-tensor qparams: each row's output does not depend on the batch.
-    assert torch.equal(converted(x[3:4]), y[3:4])
+    # The float matmuls may take another BLAS kernel for one row (a few ulps);
+    # qparams that followed the batch would move it by a quantization step (~1e-2).
+    torch.testing.assert_close(converted(x[3:4]), y[3:4], rtol=0, atol=1e-5)
 
 
 def test_prepare_for_qat_exports_in_train_mode_and_restores_the_mode():
