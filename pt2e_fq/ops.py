@@ -34,7 +34,7 @@ _OP_NVFP4 = torch.ops.pt2e_fq.fake_quantize_nvfp4.default
 
 # Argument checks. The C++ kernels check every argument they read, so on the
 # success path a wrapper only calls its op (a Python check costs more than
-# the op on a small tensor, issue 15). When the op raises, the Python check
+# the op on a small tensor: benchmarks/bench_overhead.py). When the op raises, the Python check
 # below runs and, where it finds the argument at fault, raises its message,
 # which names the argument, what was wrong and what is allowed. Two things
 # the op's schema lets through are checked first: a bool or a 0-dim tensor
@@ -242,8 +242,9 @@ def fake_quantize_affine_learnable(
     1 / sqrt(block_numel * quant_max) with block_numel that block's own
     element count (a ragged last block has fewer), computed by the kernel;
     a float applies to every block as given. The sums are fp32 in an order
-    fixed by the sizes (the same bits for any thread count). NaN in x gives
-    a NaN d scale for its block.
+    fixed by the sizes (the same bits for any thread count). A NaN or +-Inf
+    in x contributes no gradient (dx 0, nothing to its block's sums), as the
+    observers ignore it.
     """
     if type(grad_factor) is int:  # the op takes a float
         grad_factor = float(grad_factor)
