@@ -1,6 +1,6 @@
 // The Autograd kernel of fake_quantize_affine_learnable (LSQ / LSQ+), in C++
 // for the reason ste_autograd.cpp gives: a Python autograd.Function cost
-// ~70 us per call (issue 15).
+// ~70 us per call.
 //
 // The node saves x (by reference: autograd often holds it already) and the
 // qparams, not the mask: the backward op recomputes it from them, bit for
