@@ -8,7 +8,10 @@ repeat. Baselines: ATen's fake-quant ops (and its learnable ones, whose
 backward also gives d scale and d zero point, as ours, and torchao's
 prototype range learning), torchao's Python paths, the eager
 torch composite, and (with --compile, the default on CUDA) the same math as a
-torch.compile'd composite. Printed: the environment; one table with, per
+torch.compile'd composite; --baselines aten keeps ATen's alone. On CUDA our op
+also runs with its previous kernels (PT2E_FQ_CUDA_KERNELS=previous: one
+16-byte vector a lane, one thread a block for MX / NVFP4 blocks along an
+outer axis), so one run times both. Printed: the environment; one table with, per
 implementation, forward and forward+backward ms (medians), effective GB/s and
 its fraction of the device-to-device copy bandwidth measured in the same run,
 the bytes autograd saves for backward, and our speed-up over each baseline;
@@ -16,12 +19,13 @@ then a table of targets, each pass or miss. Add a case by appending to CASES.
 
     python benchmarks/bench_ops.py [--device cpu|cuda] [--shape ROWSxCOLS] [--dtype float32|bfloat16]
                                    [--repeats N] [--quick] [--threads N] [--compile | --no-compile]
-                                   [--only TEXT]
+                                   [--only TEXT] [--baselines all|aten] [--previous-kernels | --no-previous-kernels]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import time
@@ -240,6 +244,18 @@ def mx_baselines(elem_dtype):
             Baseline("torch.compile(torchao to_mx / to_dtype)", torchao_mx(elem_dtype), compiled=True)]
 
 
+def previous_kernels(fn):
+    """fn with the CUDA launchers set to their previous kernels (read at every launch)."""
+    def run(x, p):
+        os.environ["PT2E_FQ_CUDA_KERNELS"] = "previous"
+        try:
+            return fn(x, p)
+        finally:
+            del os.environ["PT2E_FQ_CUDA_KERNELS"]
+
+    return run
+
+
 def per_tensor(x):
     return tuple(x.shape)
 
@@ -424,8 +440,14 @@ class Measured:
     baselines: list  # (Baseline, Result or str)
 
 
-def run(device, shape, dtypes, repeats, compile_baselines, cases=CASES):
-    """Per dtype: the copy's ms, and a Measured per case of `cases`."""
+def is_aten(b: Baseline) -> bool:
+    return b.name.startswith(("torch.fake_quantize", "ATen"))
+
+
+def run(device, shape, dtypes, repeats, compile_baselines, cases=CASES, aten_only=False, previous=False):
+    """Per dtype: the copy's ms, and a Measured per case of `cases`. previous:
+    our op with its previous kernels as a baseline of the cases that have a
+    bandwidth target."""
     copies, measured = {}, []
     for dtype in dtypes:
         x = torch.randn(shape, device=device).to(dtype)
@@ -433,7 +455,10 @@ def run(device, shape, dtypes, repeats, compile_baselines, cases=CASES):
         for case in cases:
             p = case.make(x)
             n = min(repeats, case.cpu_max_repeats or repeats) if device == "cpu" else repeats
-            baselines = [b for b in case.baselines if compile_baselines or not b.compiled]
+            baselines = [b for b in case.baselines
+                         if (compile_baselines or not b.compiled) and (is_aten(b) or not aten_only)]
+            if previous and case.copy_fraction is not None:
+                baselines.insert(0, Baseline("pt2e_fq, previous kernels", previous_kernels(case.ours)))
             if any(b.compiled for b in baselines):
                 # A fresh cache per case and dtype: no recompile limit reached
                 # across cases, no dimension made dynamic by the previous case.
@@ -563,6 +588,10 @@ def main():
                     help="include the torch.compile'd baselines (default: on CUDA only; on CPU each "
                          "compilation takes tens of seconds)")
     ap.add_argument("--only", metavar="TEXT", help="only the cases whose name contains TEXT (e.g. learnable)")
+    ap.add_argument("--baselines", choices=["all", "aten"], default="all",
+                    help="aten: only ATen's ops (the targets' baselines), for a short run")
+    ap.add_argument("--previous-kernels", action=argparse.BooleanOptionalAction,
+                    help="also time our op with its previous CUDA kernels (default: on CUDA only)")
     args = ap.parse_args()
     cases = [c for c in CASES if args.only is None or args.only in c.name]
     if not cases:
@@ -579,7 +608,11 @@ def main():
     else:
         dtypes = [torch.float32] if args.quick else [torch.float32, torch.bfloat16]
     compile_baselines = args.device == "cuda" if args.compile is None else args.compile
-    copies, measured = run(args.device, shape, dtypes, repeats, compile_baselines, cases)
+    previous = args.device == "cuda" if args.previous_kernels is None else args.previous_kernels
+    if previous and args.device != "cuda":
+        ap.error("--previous-kernels: the previous kernels are CUDA kernels; use --device cuda")
+    copies, measured = run(args.device, shape, dtypes, repeats, compile_baselines, cases,
+                           aten_only=args.baselines == "aten", previous=previous)
     print(environment(args.device, shape, repeats))
     print(tabulate(results_table(shape, copies, measured), headers=RESULT_HEADERS, tablefmt="github",
                    disable_numparse=True))

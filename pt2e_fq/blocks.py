@@ -80,7 +80,7 @@ def check_qparam(
     """A per-block qparam must be on x's device with the reduced shape; size-1
     dimensions may be left out (a per-channel scale may be 1-D, say). `what`
     says where the expected shape comes from. The C++ checks
-    (csrc/common/qparams.cpp, qparam_as_float) say the same."""
+    (csrc/common/affine_args.cpp, qparam_as_float) say the same."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device != x.device:

@@ -44,14 +44,13 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 SIM = ROOT / "tests" / "cuda_sim"
-CUDA_SOURCES = sorted((ROOT / "pt2e_fq" / "csrc" / "cuda").glob("*.cu"))
+CUDA_DIR = ROOT / "pt2e_fq" / "csrc" / "cuda"
 # -D__CUDA_ARCH__: the shared headers take their device branches (__fdiv_rn ...).
 FLAGS = [
     "-std=c++17", "-O1", "-g", "-fno-omit-frame-pointer", "-ffp-contract=off",
     "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
     "-D__CUDACC__", "-D__CUDA_ARCH__=900", "-DPT2E_FQ_CUDA_SIM",
     f"-I{SIM / 'include'}", f"-I{SIM}", f"-I{ROOT / 'pt2e_fq' / 'csrc' / 'include'}",
-    f"-I{ROOT / 'pt2e_fq' / 'csrc' / 'cuda'}",
 ]
 DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 # aligned: malloc's 16 bytes (the kernels' vector path); misaligned: one
@@ -59,25 +58,53 @@ DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16
 PLACEMENTS = ("aligned", "misaligned", "empty")
 
 
-@pytest.fixture(scope="session")
-def driver() -> Path:
-    """The harness's driver, built once per version of its sources (about 15 s)."""
+def _compiler() -> str:
     cxx = shutil.which("g++") or shutil.which("c++")
     assert cxx, "the CUDA simulation harness needs a C++17 compiler (g++) on PATH"
-    inputs = sorted(p for d in (SIM, ROOT / "pt2e_fq" / "csrc") for p in d.rglob("*") if p.is_file())
+    return cxx
+
+
+def _object(source: Path, cuda_dir: Path) -> Path:
+    """source compiled with FLAGS and cuda_dir's headers, cached by the text of
+    the source, of every header it may include and of the flags."""
     digest = hashlib.sha256("\0".join(FLAGS).encode())
-    for path in inputs:
+    for path in sorted(p for d in (SIM, ROOT / "pt2e_fq" / "csrc" / "include", cuda_dir)
+                       for p in d.rglob("*") if p.suffix in (".h", ".cuh")):
         digest.update(path.read_bytes())
-    exe = ROOT / "build" / "cuda_sim" / f"driver-{digest.hexdigest()[:16]}"
-    if not exe.exists():
-        exe.parent.mkdir(parents=True, exist_ok=True)
-        tmp = f"{exe}.{os.getpid()}"  # pytest-xdist workers may build at once: each its own file
-        cmd = [cxx, *FLAGS, "-x", "c++", *map(str, CUDA_SOURCES), "-x", "none",
-               str(SIM / "cuda_sim.cpp"), str(SIM / "driver.cpp"), "-o", tmp]
+    digest.update(source.read_bytes())
+    obj = ROOT / "build" / "cuda_sim" / f"{source.stem}-{digest.hexdigest()[:16]}.o"
+    if not obj.exists():
+        obj.parent.mkdir(parents=True, exist_ok=True)
+        tmp = f"{obj}.{os.getpid()}"  # pytest-xdist workers may build at once: each its own file
+        cmd = [_compiler(), *FLAGS, f"-I{cuda_dir}", "-x", "c++", str(source), "-c", "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, f"building the CUDA simulation harness failed:\n{done.stderr[-4000:]}"
+        assert done.returncode == 0, f"compiling {source.name} for the simulation harness failed:\n{done.stderr[-4000:]}"
+        Path(tmp).replace(obj)
+    return obj
+
+
+def build_driver(compiled_from: dict[str, Path] | None = None) -> Path:
+    """The harness's driver (each object built once per version of its
+    sources; about 15 s for all on a free core). compiled_from: the .cu
+    files to compile from another copy of csrc/cuda instead (a mutated one)."""
+    compiled_from = compiled_from or {}
+    objects = [_object(compiled_from.get(src.name, CUDA_DIR) / src.name, compiled_from.get(src.name, CUDA_DIR))
+               for src in sorted(CUDA_DIR.glob("*.cu"))]
+    objects += [_object(SIM / name, CUDA_DIR) for name in ("cuda_sim.cpp", "driver.cpp")]
+    key = hashlib.sha256("\0".join(o.name for o in objects).encode()).hexdigest()[:16]
+    exe = objects[0].parent / f"driver-{key}"
+    if not exe.exists():
+        tmp = f"{exe}.{os.getpid()}"
+        done = subprocess.run([_compiler(), *FLAGS, *map(str, objects), "-o", tmp], capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, f"linking the CUDA simulation harness failed:\n{done.stderr[-4000:]}"
         Path(tmp).replace(exe)
     return exe
+
+
+@pytest.fixture(scope="session")
+def driver() -> Path:
+    return build_driver()
 
 
 def run(driver: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -136,12 +163,12 @@ def ste_case(root: Path, mask: torch.Tensor, like: torch.Tensor, placement: str)
     return case, torch.ops.pt2e_fq.ste_grad(dy, mask)
 
 
-def assert_forward_and_backward(driver, root, forward: Case, expected: tuple, placement: str, extra=()):
+def assert_forward_and_backward(driver, root, forward: Case, expected: tuple, placement: str, extra=(), env=None):
     """Runs the forward case and the STE on its mask; compares y, the mask,
     the named extra outputs ((file, expected tensor)) and dx."""
     y_ref, mask_ref = expected[0], expected[1]
     backward, dx_ref = ste_case(root, mask_ref, forward.x, placement)
-    simulate(driver, forward, backward)
+    simulate(driver, forward, backward, env=env)
     assert_bits_equal(forward.output("y.bin", forward.x.dtype, forward.x.shape), y_ref)
     assert torch.equal(forward.mask(), mask_ref), "packed mask differs"
     for name, want in extra:
@@ -455,6 +482,121 @@ def test_ste_kernel_equals_cpu_for_every_tail_length(driver, tmp_path, dtype, pl
     simulate(driver, *cases)
     for case, dx in zip(cases, expected):
         assert_bits_equal(case.output("dx.bin", dx.dtype, dx.shape), dx)
+
+
+# ---------------------------------------------------------------------------
+# Two generations of kernels. PT2E_FQ_CUDA_KERNELS=previous selects the
+# kernels as they were before the latest rework (one vector a lane in the
+# blockwise kernel; one thread a block for MX / NVFP4 blocks along an outer
+# axis), kept so that one GPU run times both; both stay bit-exact.
+
+PREVIOUS = {"PT2E_FQ_CUDA_KERNELS": "previous"}
+KERNELS = {"current": None, "previous": PREVIOUS}
+
+OUTER_AXIS_SHAPES = [
+    # (id, shape, axis): blocks along an outer axis (inner > 1), the column kernel's.
+    ("inner_5_ragged", (70, 5), 0),  # several blocks in one warp, a short last block
+    ("inner_48", (64, 48), 0),  # warps across two blocks, runs of mask bits across words
+    ("inner_64", (40, 64), 0),  # runs on whole words
+    ("inner_33_middle_axis", (3, 45, 33), 1),
+    ("many_columns", (33, 3000), 0),  # more columns than the harness's grid has threads
+]
+
+
+def _block_scaled_case(root, x, axis, op, fmt=None):
+    """A MX (block 32) or NVFP4 (computed global scale) case and the CPU's y, mask and extras."""
+    if op == "mx":
+        y, mask, scales = torch.ops.pt2e_fq.fake_quantize_mx(x, fmt, 32, axis)
+        case = Case(root, f"mx_{fmt}", "mx", x, "aligned", fmt=fmt, block=32, axis=axis)
+        return case, (y, mask), [("scales.bin", scales)]
+    y, mask, scales, used = torch.ops.pt2e_fq.fake_quantize_nvfp4(x, None, axis)
+    case = Case(root, "nvfp4", "nvfp4", x, "aligned", axis=axis, **{"global": 0})
+    return case, (y, mask), [("scales.bin", scales), ("global_out.bin", used.reshape(()))]
+
+
+@pytest.mark.parametrize("shape", OUTER_AXIS_SHAPES, ids=lambda s: s[0])
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_block_scaled_kernels_on_outer_axes_equal_cpu(driver, tmp_path, shape, kernels):
+    _, shape, axis = shape
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for op, fmt in (("mx", "e4m3"), ("mx", "e2m1"), ("nvfp4", None)):
+            root = tmp_path / f"{op}{fmt}{DTYPE_NAMES[dtype]}"
+            root.mkdir()
+            cases.append(_block_scaled_case(root, block_input(shape, dtype, seed=len(cases)), axis, op, fmt))
+    simulate(driver, *(c for c, _, _ in cases), env=KERNELS[kernels])
+    for case, (y, mask), extra in cases:
+        assert_bits_equal(case.output("y.bin", case.x.dtype, case.x.shape), y)
+        assert torch.equal(case.mask(), mask), f"{case.dir.name}: packed mask differs"
+        for name, want in extra:
+            assert_bits_equal(case.output(name, want.dtype, want.shape), want)
+
+
+@pytest.mark.parametrize("variant", AFFINE_VARIANTS, ids=lambda v: v[0])
+def test_previous_blockwise_kernel_equals_cpu(driver, tmp_path, variant):
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16):
+        x, block, qparams, (qmin, qmax) = _affine_inputs(variant, dtype, "aligned")
+        (tmp_path / DTYPE_NAMES[dtype]).mkdir()
+        cases.append(affine_forward(tmp_path / DTYPE_NAMES[dtype], x, block, *qparams, qmin, qmax, "aligned"))
+    simulate(driver, *(c for c, _ in cases), env=PREVIOUS)
+    for case, (y, mask) in cases:
+        assert_bits_equal(case.output("y.bin", case.x.dtype, case.x.shape), y)
+        assert torch.equal(case.mask(), mask), "packed mask differs"
+
+
+# The tests above must fail when the code they claim to run is broken: each
+# mutation below breaks one part of a kernel in a copy of csrc/cuda, and the
+# case must then fail under the kernels that contain that part and pass
+# under the others (which also shows the switch selects what it says).
+
+
+def _affine_per_tensor(root):
+    # 8643 fp32 elements: whole tiles of 4 sub-tiles, then a partial tile
+    # holding 3 whole sub-tiles and a tail.
+    x, block, qparams, (qmin, qmax) = _affine_inputs(AFFINE_VARIANTS[0], torch.float32, "aligned")
+    return affine_forward(root, x, block, *qparams, qmin, qmax, "aligned") + ((),)
+
+
+def _mx_inner_48(root):
+    return _block_scaled_case(root, block_input((64, 48), torch.float32, seed=3), 0, "mx", "e4m3")
+
+
+MUTATIONS = [
+    # (id, file, original, mutated, the .cu compiled with it, case, the kernels that contain it)
+    ("tile_mask_words_of_every_sub_tile", "elementwise.cuh",
+     "write_tile_mask<VEC>(bits[u], lane, mask + (base + u * kSub) / 32);",
+     "write_tile_mask<VEC>(bits[u], lane, mask + base / 32);", "affine_kernels.cu", _affine_per_tensor, "current"),
+    ("whole_sub_tiles_of_the_partial_tile", "elementwise.cuh",
+     "write_tile_mask<VEC>(bits, lane, mask + sub / 32);",
+     "write_tile_mask<VEC>(bits, lane, mask + base / 32);", "affine_kernels.cu", _affine_per_tensor, "current"),
+    ("column_kernel_run_into_the_next_word", "float_kernels.cu",
+     "if (high) atomicOr(mask + (i >> 5) + 1, high);", "", "float_kernels.cu", _mx_inner_48, "current"),
+    ("column_kernel_run_ends_at_its_block", "float_kernels.cu",
+     "const uint32_t seg_mask = seg_len >= 32 ? 0xFFFFFFFFu : (1u << seg_len) - 1u;",
+     "const uint32_t seg_mask = 0xFFFFFFFFu;", "float_kernels.cu", _mx_inner_48, "current"),
+    ("thread_per_block_kernel_mask", "float_kernels.cu",
+     "m.add(i, in_range);", "m.add(i, !in_range);", "float_kernels.cu", _mx_inner_48, "previous"),
+]
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS, ids=lambda m: m[0])
+def test_a_broken_kernel_fails_its_comparison(tmp_path, mutation):
+    _, name, original, mutated, compiled, make_case_, broken_in = mutation
+    text = (CUDA_DIR / name).read_text()
+    assert text.count(original) == 1, f"{name} no longer holds the mutated line: update MUTATIONS"
+    copy = tmp_path / "cuda"
+    shutil.copytree(CUDA_DIR, copy)
+    (copy / name).write_text(text.replace(original, mutated))
+    exe = build_driver({compiled: copy})
+    for kernels, env in KERNELS.items():
+        (tmp_path / kernels).mkdir()
+        case, expected, extra = make_case_(tmp_path / kernels)
+        if kernels == broken_in:
+            with pytest.raises(AssertionError):
+                assert_forward_and_backward(exe, tmp_path / kernels, case, expected, "aligned", extra, env=env)
+        else:
+            assert_forward_and_backward(exe, tmp_path / kernels, case, expected, "aligned", extra, env=env)
 
 
 # ---------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 #include "float_args.h"
 
+#include "affine_args.h"
 #include "float_dtype.h"
-#include "qparams.h"
 
 namespace pt2e_fq {
 

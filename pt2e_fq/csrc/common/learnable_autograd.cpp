@@ -1,6 +1,6 @@
 // The Autograd kernel of fake_quantize_affine_learnable (LSQ / LSQ+), in C++
 // for the reason ste_autograd.cpp gives: a Python autograd.Function cost
-// ~70 us per call (issue 15).
+// ~70 us per call.
 //
 // The node saves x (by reference: autograd often holds it already) and the
 // qparams, not the mask: the backward op recomputes it from them, bit for
@@ -15,13 +15,13 @@
 
 #include <vector>
 
+#include "op_names.h"
+
 namespace pt2e_fq {
 namespace {
 
 using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
-
-constexpr const char* kOp = "pt2e_fq.fake_quantize_affine_learnable";
 
 // The op's arguments, by schema position.
 enum Arg : size_t {
@@ -86,7 +86,7 @@ void learnable_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
   const at::Tensor minval = optional_tensor(args[kMinval]);
   for (const at::Tensor* t : {&x, &scale, &zero_point, &minval}) {
     TORCH_CHECK_NOT_IMPLEMENTED(
-        !t->defined() || !t->_fw_grad(/*level=*/0).defined(), kOp,
+        !t->defined() || !t->_fw_grad(/*level=*/0).defined(), op_names::kLearnable,
         ": forward-mode AD (jvp, jacfwd) is not supported; its backward is reverse mode only");
   }
   c10::intrusive_ptr<LearnableBackward> node;

@@ -3,7 +3,7 @@
 #include <cmath>
 #include <limits>
 
-#include "qparams.h"
+#include "affine_args.h"
 
 namespace pt2e_fq {
 

@@ -2,11 +2,12 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "affine_args.h"
 #include "affine_cpu.h"
 #include "cpu_loops.h"
+#include "op_names.h"
 #include "pt2e_fq/affine.h"
 #include "pt2e_fq/block_layout.h"
-#include "qparams.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -299,7 +300,7 @@ std::tuple<at::Tensor, at::Tensor> fake_quantize_affine_cpu(
     const c10::optional<at::Tensor>& minval) {
   const AffineInputs in = prepare_affine_inputs(x, block_size, scale, zero_point, quant_min,
                                                 quant_max, minval);
-  check_qparam_values("pt2e_fq.fake_quantize_affine", in, zero_point, quant_min, quant_max);
+  check_qparam_values(op_names::kAffine, in, zero_point, quant_min, quant_max);
   return affine_forward(in, quant_min, quant_max);
 }
 

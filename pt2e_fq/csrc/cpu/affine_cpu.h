@@ -6,7 +6,7 @@
 
 #include <tuple>
 
-#include "qparams.h"
+#include "affine_args.h"
 
 namespace pt2e_fq::cpu {
 

@@ -4,17 +4,16 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "affine_args.h"
 #include "cpu_loops.h"
-#include "float_cpu.h"
 #include "float_args.h"
+#include "float_cpu.h"
+#include "op_names.h"
 #include "pt2e_fq/block_layout.h"
 #include "pt2e_fq/float_formats.h"
-#include "qparams.h"
 
 namespace pt2e_fq::cpu {
 namespace {
-
-constexpr const char* kOp = "pt2e_fq.fake_quantize_float";
 
 template <ElemFormat F, typename T>
 void float_chunk(const T* x, T* y, uint8_t* flags, int64_t begin, int64_t end,
@@ -35,11 +34,12 @@ std::tuple<at::Tensor, at::Tensor> fake_quantize_float_cpu(const at::Tensor& x_i
                                                            at::IntArrayRef block_size,
                                                            const at::Tensor& scale_in,
                                                            c10::string_view fmt) {
-  const BlockLayout L = check_x_and_block_size(kOp, x_in, block_size);
-  const ElemFormat format = parse_elem_format(kOp, "fmt", std::string(fmt));
+  const BlockLayout L = check_x_and_block_size(op_names::kFloat, x_in, block_size);
+  const ElemFormat format = parse_elem_format(op_names::kFloat, "fmt", std::string(fmt));
   const at::Tensor scale =
-      qparam_as_float(x_in, scale_in, "scale", reduced_shape(x_in.sizes(), block_size), kOp);
-  check_scale_values(kOp, "scale", scale);
+      qparam_as_float(x_in, scale_in, "scale", reduced_shape(x_in.sizes(), block_size),
+                      op_names::kFloat);
+  check_scale_values(op_names::kFloat, "scale", scale);
   return float_forward(x_in.contiguous(), L, scale, format);
 }
 

@@ -6,18 +6,16 @@
 #include <algorithm>
 #include <vector>
 
+#include "affine_args.h"
 #include "affine_cpu.h"
 #include "cpu_loops.h"
 #include "float_dtype.h"
+#include "op_names.h"
 #include "pt2e_fq/affine.h"
 #include "pt2e_fq/block_layout.h"
-#include "qparams.h"
 
 namespace pt2e_fq::cpu {
 namespace {
-
-constexpr const char* kOp = "pt2e_fq.fake_quantize_affine_learnable";
-constexpr const char* kBackwardOp = "pt2e_fq.fake_quantize_affine_learnable_backward";
 
 at::Tensor fake_quantize_affine_learnable_cpu(const at::Tensor& x, at::IntArrayRef block_size,
                                               const at::Tensor& scale,
@@ -25,10 +23,11 @@ at::Tensor fake_quantize_affine_learnable_cpu(const at::Tensor& x, at::IntArrayR
                                               int64_t quant_min, int64_t quant_max,
                                               c10::optional<double> grad_factor,
                                               const c10::optional<at::Tensor>& minval) {
-  grad_factor_arg(kOp, grad_factor, quant_max);
+  grad_factor_arg(op_names::kLearnable, grad_factor, quant_max);
   const AffineInputs in = prepare_affine_inputs(x, block_size, scale, zero_point, quant_min,
-                                                quant_max, minval, kOp, /*float_zero_point=*/true);
-  check_qparam_values(kOp, in, zero_point, quant_min, quant_max);
+                                                quant_max, minval, op_names::kLearnable,
+                                                /*float_zero_point=*/true);
+  check_qparam_values(op_names::kLearnable, in, zero_point, quant_min, quant_max);
   return std::get<0>(affine_forward(in, quant_min, quant_max));
 }
 
@@ -125,11 +124,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fake_quantize_affine_learnable_ba
     const at::Tensor& scale, const c10::optional<at::Tensor>& zero_point, int64_t quant_min,
     int64_t quant_max, c10::optional<double> grad_factor,
     const c10::optional<at::Tensor>& minval) {
-  const GradFactor factor = grad_factor_arg(kBackwardOp, grad_factor, quant_max);
+  const GradFactor factor = grad_factor_arg(op_names::kLearnableBackward, grad_factor, quant_max);
   const AffineInputs in = prepare_affine_inputs(x_in, block_size, scale, zero_point, quant_min,
-                                                quant_max, minval, kBackwardOp,
+                                                quant_max, minval, op_names::kLearnableBackward,
                                                 /*float_zero_point=*/true);
-  check_learnable_grad(kBackwardOp, grad_in, x_in);
+  check_learnable_grad(op_names::kLearnableBackward, grad_in, x_in);
   const at::Tensor grad = grad_in.contiguous();
   const at::Tensor& x = in.x;
   const std::vector<int64_t> qshape = reduced_shape(x.sizes(), block_size);

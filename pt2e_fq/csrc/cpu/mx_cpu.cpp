@@ -7,12 +7,13 @@
 
 #include <vector>
 
+#include "affine_args.h"
 #include "cpu_loops.h"
 #include "float_args.h"
 #include "float_dtype.h"
+#include "op_names.h"
 #include "pt2e_fq/block_layout.h"
 #include "pt2e_fq/float_formats.h"
-#include "qparams.h"
 
 namespace pt2e_fq::cpu {
 namespace {
@@ -136,9 +137,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fake_quantize_mx_cpu(const at::Te
                                                                     c10::string_view elem_fmt,
                                                                     int64_t block_size,
                                                                     int64_t axis) {
-  constexpr const char* op = "pt2e_fq.fake_quantize_mx";
-  const AxisBlocks A = check_axis_blocks(op, x_in, block_size, axis);
-  const ElemFormat format = parse_elem_format(op, "elem_fmt", std::string(elem_fmt));
+  const AxisBlocks A = check_axis_blocks(op_names::kMx, x_in, block_size, axis);
+  const ElemFormat format = parse_elem_format(op_names::kMx, "elem_fmt", std::string(elem_fmt));
   BlockOutputs o = new_block_outputs(x_in, axis, A);
   dispatch_elem_format(format, [&](auto ftag) {
     run_blocks(o, A, MxScaling<decltype(ftag)::value>{});
@@ -162,14 +162,14 @@ float tensor_amax(const at::Tensor& x) {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fake_quantize_nvfp4_cpu(
     const at::Tensor& x_in, const c10::optional<at::Tensor>& global_scale_in, int64_t axis) {
-  constexpr const char* op = "pt2e_fq.fake_quantize_nvfp4";
-  const AxisBlocks A = check_axis_blocks(op, x_in, 16, axis);
+  const AxisBlocks A = check_axis_blocks(op_names::kNvfp4, x_in, 16, axis);
   BlockOutputs o = new_block_outputs(x_in, axis, A);
   float g;
   if (global_scale_in.has_value()) {
     const at::Tensor gs =
-        qparam_as_float(x_in, *global_scale_in, "global_scale", {}, op, "a single value");
-    check_scale_values(op, "global_scale", gs);
+        qparam_as_float(x_in, *global_scale_in, "global_scale", {}, op_names::kNvfp4,
+                        "a single value");
+    check_scale_values(op_names::kNvfp4, "global_scale", gs);
     g = gs.data_ptr<float>()[0];
   } else {
     g = nvfp4_global_scale(tensor_amax(o.x));

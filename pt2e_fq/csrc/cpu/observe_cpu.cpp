@@ -12,13 +12,14 @@
 #include <string>
 #include <vector>
 
+#include "affine_args.h"
 #include "affine_cpu.h"
 #include "cpu_loops.h"
 #include "float_args.h"
 #include "float_cpu.h"
 #include "observe_args.h"
+#include "op_names.h"
 #include "pt2e_fq/observe.h"
-#include "qparams.h"
 
 namespace pt2e_fq::cpu {
 namespace {
@@ -130,18 +131,16 @@ Observed observe(const ObserveInputs& in, const at::Tensor& min_val, const at::T
   return o;
 }
 
-constexpr const char* kAffineOp = "pt2e_fq.fake_quantize_affine_observe";
-constexpr const char* kFloatOp = "pt2e_fq.fake_quantize_float_observe";
-
 std::tuple<at::Tensor, at::Tensor> fake_quantize_affine_observe_cpu(
     const at::Tensor& x, at::IntArrayRef block_size, const at::Tensor& min_val,
     const at::Tensor& max_val, const at::Tensor& scale, const at::Tensor& offset,
     const at::Tensor& nonfinite, int64_t quant_min, int64_t quant_max, c10::string_view scheme,
     double range_limit, c10::optional<double> averaging_constant) {
-  const ObserveInputs in = check_observe_args(kAffineOp, x, block_size, min_val, max_val, scale,
-                                              nonfinite, averaging_constant);
+  const ObserveInputs in = check_observe_args(op_names::kAffineObserve, x, block_size, min_val,
+                                              max_val, scale, nonfinite, averaging_constant);
   const AffineRangeParams p = check_affine_observe_args(
-      kAffineOp, x, block_size, offset, quant_min, quant_max, std::string(scheme), range_limit);
+      op_names::kAffineObserve, x, block_size, offset, quant_min, quant_max, std::string(scheme),
+      range_limit);
   const Observed o = observe(in, min_val, max_val, nonfinite);
 
   // The kernel takes fp32 qparams; the buffers keep their dtypes.
@@ -173,7 +172,8 @@ std::tuple<at::Tensor, at::Tensor> fake_quantize_affine_observe_cpu(
   (minval ? fq.minval : fq.zero_point) = offset_f.reshape({-1});
   // As the static op: a corrupt running range (NaN, loaded) gives a bad
   // scale, which is an error rather than NaN outputs.
-  check_qparam_values(kAffineOp, fq, minval ? c10::nullopt : c10::optional<at::Tensor>(offset),
+  check_qparam_values(op_names::kAffineObserve, fq,
+                      minval ? c10::nullopt : c10::optional<at::Tensor>(offset),
                       quant_min, quant_max);
   return affine_forward(fq, quant_min, quant_max);
 }
@@ -182,9 +182,9 @@ std::tuple<at::Tensor, at::Tensor> fake_quantize_float_observe_cpu(
     const at::Tensor& x, at::IntArrayRef block_size, const at::Tensor& min_val,
     const at::Tensor& max_val, const at::Tensor& scale, const at::Tensor& nonfinite,
     c10::string_view fmt, c10::optional<double> averaging_constant) {
-  const ObserveInputs in = check_observe_args(kFloatOp, x, block_size, min_val, max_val, scale,
-                                              nonfinite, averaging_constant);
-  const ElemFormat format = parse_elem_format(kFloatOp, "fmt", std::string(fmt));
+  const ObserveInputs in = check_observe_args(op_names::kFloatObserve, x, block_size, min_val,
+                                              max_val, scale, nonfinite, averaging_constant);
+  const ElemFormat format = parse_elem_format(op_names::kFloatObserve, "fmt", std::string(fmt));
   const Observed o = observe(in, min_val, max_val, nonfinite);
   at::Tensor scale_t = writable(scale);
   float* s = scale_t.data_ptr<float>();
@@ -194,7 +194,7 @@ std::tuple<at::Tensor, at::Tensor> fake_quantize_float_observe_cpu(
   });
   finish_write(scale, scale_t);
   const at::Tensor flat_scale = scale_t.reshape({-1});
-  check_scale_values(kFloatOp, "scale", flat_scale);
+  check_scale_values(op_names::kFloatObserve, "scale", flat_scale);
   return float_forward(in.x, in.layout, flat_scale, format);
 }
 

@@ -4,9 +4,9 @@
 
 #include <type_traits>
 
+#include "affine_args.h"
 #include "cpu_loops.h"
 #include "float_dtype.h"
-#include "qparams.h"
 
 namespace pt2e_fq::cpu {
 namespace {

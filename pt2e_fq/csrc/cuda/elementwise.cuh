@@ -8,6 +8,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "kernels.h"
 #include "pt2e_fq/block_layout.h"
@@ -143,10 +145,16 @@ __device__ __forceinline__ void write_tile_mask(uint32_t bits, int lane, uint32_
 // ---------------------------------------------------------------------------
 // y = op(x, qparams of x's block) with the packed mask, for any BlockLayout.
 //
-// Each warp takes tiles of 32 * VEC consecutive elements (VEC = 16 bytes of
-// x) in a grid-stride loop with 64-bit indices: one vector load per lane,
-// the shared per-element math, one vector store, and the mask packed with
-// warp ballots. The last, partial tile goes element by element.
+// A warp takes tiles of U * 32 * VEC consecutive elements (VEC = 16 bytes of
+// x) in a grid-stride loop with 64-bit indices. Lane l loads vectors
+// l, 32 + l, ..., 32 (U-1) + l of the tile, all U before any math, so U
+// 16-byte loads per lane are in flight at once (one load a lane left the
+// memory system short of bytes in flight: benchmarks/RESULTS.md).
+// Then the shared per-element math, U vector stores, and the mask of each
+// 32 * VEC sub-tile packed with warp ballots. A last, partial tile goes
+// vector by vector while whole sub-tiles remain, then element by element.
+// U = 1 is the previous kernel (one vector a lane), kept for comparison
+// (PT2E_FQ_CUDA_KERNELS=previous).
 //
 // Op is a small copyable functor: `Params at(int64_t block)` reads a block's
 // qparams, `float apply(float x, const Params&, bool& in_range)` is the math.
@@ -158,12 +166,43 @@ enum class BlockLookup {
   kPerElement  // blocks narrower than a vector, or misaligned
 };
 
+// Vectors in flight per lane of the current kernels.
+constexpr int kVectorsPerLane = 4;
+
+// The launchers' choice: PT2E_FQ_CUDA_KERNELS=previous selects the kernels
+// as they were before the latest rework (to time both in one process; read
+// at every launch), anything else the current ones.
+inline bool previous_kernels() {
+  const char* v = std::getenv("PT2E_FQ_CUDA_KERNELS");
+  return v != nullptr && std::strcmp(v, "previous") == 0;
+}
+
+// Applies op to the VEC elements of v in place (x in, y out), which start at
+// the vector-aligned index i0; returns their mask bits.
 template <typename T, int VEC, typename Op>
+__device__ __forceinline__ uint32_t apply_vec(T (&v)[VEC], int64_t i0, const Op& op,
+                                              const BlockLayout& layout, BlockLookup lookup,
+                                              const typename Op::Params& single) {
+  typename Op::Params p = single;
+  if (lookup == BlockLookup::kPerVector) p = op.at(scale_offset(layout, i0));
+  uint32_t bits = 0;
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) {
+    if (lookup == BlockLookup::kPerElement) p = op.at(scale_offset(layout, i0 + k));
+    bool in_range;
+    v[k] = from_f32<T>(op.apply(to_f32(v[k]), p, in_range));
+    bits |= static_cast<uint32_t>(in_range) << k;
+  }
+  return bits;
+}
+
+template <typename T, int VEC, int U, typename Op>
 __global__ void __launch_bounds__(kThreads)
     blockwise_kernel(const T* __restrict__ x, T* __restrict__ y, uint32_t* __restrict__ mask,
                      int64_t numel, Op op, BlockLayout layout, BlockLookup lookup) {
   using Params = typename Op::Params;
-  constexpr int kTile = 32 * VEC;
+  constexpr int kSub = 32 * VEC;  // a sub-tile: one vector per lane
+  constexpr int kTile = U * kSub;
   const int lane = threadIdx.x & 31;
   const int64_t first_warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t num_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
@@ -173,26 +212,33 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t tile = first_warp; tile < num_tiles; tile += num_warps) {
     const int64_t base = tile * kTile;
     if (base + kTile <= numel) {
-      const int64_t i0 = base + static_cast<int64_t>(lane) * VEC;
-      T in[VEC], out[VEC];
-      load_vec<T, VEC>(x + i0, in);
-      Params p = single;
-      if (lookup == BlockLookup::kPerVector) p = op.at(scale_offset(layout, i0));
-      uint32_t bits = 0;
+      T v[U][VEC];
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        if (lookup == BlockLookup::kPerElement) p = op.at(scale_offset(layout, i0 + k));
-        bool in_range;
-        out[k] = from_f32<T>(op.apply(to_f32(in[k]), p, in_range));
-        bits |= static_cast<uint32_t>(in_range) << k;
+      for (int u = 0; u < U; ++u) load_vec<T, VEC>(x + base + (u * 32 + lane) * VEC, v[u]);
+      uint32_t bits[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        bits[u] = apply_vec<T, VEC>(v[u], base + (u * 32 + lane) * VEC, op, layout, lookup, single);
       }
-      store_vec<T, VEC>(y + i0, out);
-      write_tile_mask<VEC>(bits, lane, mask + base / 32);
+#pragma unroll
+      for (int u = 0; u < U; ++u) store_vec<T, VEC>(y + base + (u * 32 + lane) * VEC, v[u]);
+#pragma unroll
+      for (int u = 0; u < U; ++u) write_tile_mask<VEC>(bits[u], lane, mask + (base + u * kSub) / 32);
     } else {
-      // Partial tile: lane l takes elements base + 32k + l, so each ballot
-      // is one mask word in element order.
+      // Partial tile: whole sub-tiles as above, one at a time (warp-uniform).
+      int64_t sub = base;
+      for (; sub + kSub <= numel; sub += kSub) {
+        const int64_t i0 = sub + static_cast<int64_t>(lane) * VEC;
+        T v[VEC];
+        load_vec<T, VEC>(x + i0, v);
+        const uint32_t bits = apply_vec<T, VEC>(v, i0, op, layout, lookup, single);
+        store_vec<T, VEC>(y + i0, v);
+        write_tile_mask<VEC>(bits, lane, mask + sub / 32);
+      }
+      // The rest: lane l takes elements sub + 32k + l, so each ballot is one
+      // mask word in element order.
       for (int k = 0; k < VEC; ++k) {
-        const int64_t word_base = base + 32 * k;
+        const int64_t word_base = sub + 32 * k;
         if (word_base >= numel) break;  // warp-uniform
         const int64_t i = word_base + lane;
         bool in_range = false;
@@ -207,15 +253,16 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename T, int VEC, typename Op>
+template <typename T, int VEC, int U, typename Op>
 void launch_blockwise_vec(const void* x, void* y, uint32_t* mask, int64_t numel, const Op& op,
                           const BlockLayout& layout, BlockLookup lookup, cudaStream_t stream) {
-  const int64_t tiles = (numel + 32 * VEC - 1) / (32 * VEC);
-  launch(blockwise_kernel<T, VEC, Op>, grid_size(tiles * 32), kThreads, stream,
+  const int64_t tiles = (numel + U * 32 * VEC - 1) / (U * 32 * VEC);
+  launch(blockwise_kernel<T, VEC, U, Op>, grid_size(tiles * 32), kThreads, stream,
          static_cast<const T*>(x), static_cast<T*>(y), mask, numel, op, layout, lookup);
 }
 
-// Picks the vector width and the qparam lookup, and launches.
+// Picks the vector width, the vectors per lane and the qparam lookup, and
+// launches.
 template <typename T, typename Op>
 void launch_blockwise(const void* x, void* y, uint32_t* mask, int64_t numel, const Op& op,
                       const BlockLayout& layout, cudaStream_t stream) {
@@ -230,11 +277,16 @@ void launch_blockwise(const void* x, void* y, uint32_t* mask, int64_t numel, con
                              : vector_in_block ? BlockLookup::kPerVector
                                                : BlockLookup::kPerElement;
   if (aligned16(x) && aligned16(y)) {
-    launch_blockwise_vec<T, V>(x, y, mask, numel, op, layout, lookup, stream);
+    if (previous_kernels()) {
+      launch_blockwise_vec<T, V, 1>(x, y, mask, numel, op, layout, lookup, stream);
+    } else {
+      launch_blockwise_vec<T, V, kVectorsPerLane>(x, y, mask, numel, op, layout, lookup, stream);
+    }
   } else {
-    launch_blockwise_vec<T, 1>(x, y, mask, numel, op, layout,
-                               lookup == BlockLookup::kPerVector ? BlockLookup::kPerElement : lookup,
-                               stream);
+    launch_blockwise_vec<T, 1, 1>(x, y, mask, numel, op, layout,
+                                  lookup == BlockLookup::kPerVector ? BlockLookup::kPerElement
+                                                                    : lookup,
+                                  stream);
   }
 }
 

@@ -58,8 +58,8 @@ struct MaskBits {
 
 // One thread per block (outer, block along the axis, inner position), inner
 // fastest: when blocks run along an outer axis (inner > 1) neighbouring
-// threads read neighbouring addresses; blocks along the last axis take the
-// warp kernel below where they can. Pass one takes the block amax, pass
+// threads read neighbouring addresses. The warp kernels below take the
+// layouts they can. Pass one takes the block amax, pass
 // two quantizes (the re-read hits the cache).
 template <typename T, typename Scaling>
 __global__ void __launch_bounds__(kThreads)
@@ -143,18 +143,86 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Blocks along an outer axis (inner > 1): a warp takes 32 consecutive
+// block columns (w = block * inner + inner position, as in
+// block_scaled_kernel), a lane each, so for every row t of the blocks the
+// warp's loads and stores are consecutive addresses. Each lane finds its
+// column's amax alone (no shuffle: a column is a whole block), with eight
+// loads in flight; then row by row, one ballot gives the warp's mask bits
+// and the first lane of each run of lanes in one block (a segment: its
+// elements are consecutive) ORs the segment's bits into the mask, one or
+// two words (block_scaled_kernel ORs one word per element here, its
+// elements lying `inner` apart).
+template <typename T, typename Scaling>
+__global__ void __launch_bounds__(kThreads)
+    block_scaled_column_kernel(const T* __restrict__ x, T* __restrict__ y,
+                               uint32_t* __restrict__ mask, float* __restrict__ scales,
+                               AxisBlocks A, Scaling sc) {
+  constexpr int kInFlight = 8;
+  const int lane = threadIdx.x & 31;
+  const int64_t nb = A.blocks_per_axis();
+  const int64_t total = A.outer * nb * A.inner;
+  const int64_t first_warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t num_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  for (int64_t w0 = first_warp * 32; w0 < total; w0 += num_warps * 32) {  // warp-uniform
+    const int64_t w = w0 + lane;
+    const int64_t c = w % A.inner, g = w / A.inner, j = g % nb;  // g = outer * nb + j
+    const int64_t n = w < total ? min(A.block, A.len - j * A.block) : 0;
+    const int64_t first = ((g / nb) * A.len + j * A.block) * A.inner + c;
+    uint32_t amax = 0;
+    for (int64_t t0 = 0; t0 < n; t0 += kInFlight) {
+      float v[kInFlight];
+#pragma unroll
+      for (int k = 0; k < kInFlight; ++k) {
+        v[k] = t0 + k < n ? to_f32(x[first + (t0 + k) * A.inner]) : 0.0f;
+      }
+#pragma unroll
+      for (int k = 0; k < kInFlight; ++k) amax = max(amax, abs_bits(v[k]));
+    }
+    const float block_scale = sc.block_scale(amax_from_bits(amax));
+    if (n > 0) scales[w] = block_scale;  // scales are [outer, nb, inner]: index g * inner + c
+    const float s = sc.element_scale(block_scale);
+    // The lane's segment: itself and the following lanes of the same block.
+    const bool leads = lane == 0 || c == 0;
+    const int64_t seg_len = min(A.inner - c, static_cast<int64_t>(32 - lane));
+    const uint32_t seg_mask = seg_len >= 32 ? 0xFFFFFFFFu : (1u << seg_len) - 1u;
+    for (int64_t t = 0; t < A.block; ++t) {  // warp-uniform bound: the ballot needs every lane
+      const int64_t i = first + t * A.inner;
+      bool in_range = false;
+      if (t < n) {
+        y[i] = from_f32<T>(fake_quantize_float_one<Scaling::kElem>(to_f32(x[i]), s, in_range));
+      }
+      const uint32_t bits = (__ballot_sync(0xFFFFFFFFu, in_range) >> lane) & seg_mask;
+      if (leads && bits) {  // neighbouring warps may share the words: OR
+        const int shift = static_cast<int>(i & 31);
+        atomicOr(mask + (i >> 5), bits << shift);
+        const uint32_t high = shift ? bits >> (32 - shift) : 0u;
+        if (high) atomicOr(mask + (i >> 5) + 1, high);
+      }
+    }
+  }
+}
+
+// The current kernels: the warp kernels where blocks run along the last axis
+// with a power-of-two size up to 32, or along an outer axis; else one thread
+// a block. PT2E_FQ_CUDA_KERNELS=previous: block_scaled_kernel for blocks
+// along an outer axis too, as before the column kernel.
 template <typename T, typename Scaling>
 void launch_block_scaled(const void* x, void* y, uint32_t* mask, float* scales,
                          const AxisBlocks& A, const Scaling& sc, cudaStream_t stream) {
   const bool warp_blocks = A.inner == 1 && A.block <= 32 && (A.block & (A.block - 1)) == 0;
+  const int64_t columns = A.outer * A.blocks_per_axis() * A.inner;
   if (warp_blocks) {
     const int64_t groups = (A.outer * A.blocks_per_axis() + 32 / A.block - 1) / (32 / A.block);
     launch(block_scaled_warp_kernel<T, Scaling>, grid_size(groups * 32), kThreads, stream,
            static_cast<const T*>(x), static_cast<T*>(y), mask, scales, A, sc);
-    return;
+  } else if (A.inner > 1 && !previous_kernels()) {
+    launch(block_scaled_column_kernel<T, Scaling>, grid_size((columns + 31) / 32 * 32), kThreads,
+           stream, static_cast<const T*>(x), static_cast<T*>(y), mask, scales, A, sc);
+  } else {
+    launch(block_scaled_kernel<T, Scaling>, grid_size(columns), kThreads, stream,
+           static_cast<const T*>(x), static_cast<T*>(y), mask, scales, A, sc);
   }
-  launch(block_scaled_kernel<T, Scaling>, grid_size(A.outer * A.blocks_per_axis() * A.inner),
-         kThreads, stream, static_cast<const T*>(x), static_cast<T*>(y), mask, scales, A, sc);
 }
 
 // max |x| as bits (abs_bits) into *out, which starts at 0.

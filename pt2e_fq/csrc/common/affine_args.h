@@ -7,6 +7,7 @@
 
 #include <vector>
 
+#include "op_names.h"
 #include "pt2e_fq/affine.h"
 #include "pt2e_fq/block_layout.h"
 
@@ -44,7 +45,7 @@ AffineInputs prepare_affine_inputs(const at::Tensor& x, at::IntArrayRef block_si
                                    const at::Tensor& scale,
                                    const c10::optional<at::Tensor>& zero_point, int64_t quant_min,
                                    int64_t quant_max, const c10::optional<at::Tensor>& minval,
-                                   const char* op = "pt2e_fq.fake_quantize_affine",
+                                   const char* op = op_names::kAffine,
                                    bool float_zero_point = false);
 
 // Checks the learnable op's grad_factor (a host double: no sync) and gives

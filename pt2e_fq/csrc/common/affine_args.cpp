@@ -1,4 +1,4 @@
-#include "qparams.h"
+#include "affine_args.h"
 
 #include <cmath>
 #include <limits>
@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "float_dtype.h"
+#include "op_names.h"
 #include "pt2e_fq/mask_bits.h"
 
 namespace pt2e_fq {
@@ -189,13 +190,14 @@ at::Tensor new_packed_mask(const at::Tensor& x) {
 
 void check_ste_args(const at::Tensor& grad, const at::Tensor& mask) {
   TORCH_CHECK_TYPE(mask.scalar_type() == at::kByte,
-                   "pt2e_fq.ste_grad: mask must be uint8 (bit-packed), got ", mask.scalar_type());
+                   op_names::kSteGrad, ": mask must be uint8 (bit-packed), got ",
+                   mask.scalar_type());
   TORCH_CHECK_VALUE(mask.dim() == 1 && mask.numel() == packed_mask_bytes(grad.numel()),
-                    "pt2e_fq.ste_grad: mask must have ceil(grad.numel() / 8) = ",
+                    op_names::kSteGrad, ": mask must have ceil(grad.numel() / 8) = ",
                     packed_mask_bytes(grad.numel()), " bytes, got shape ", mask.sizes());
-  TORCH_CHECK(mask.device() == grad.device(), "pt2e_fq.ste_grad: mask is on ", mask.device(),
+  TORCH_CHECK(mask.device() == grad.device(), op_names::kSteGrad, ": mask is on ", mask.device(),
               " but grad is on ", grad.device());
-  check_float_dtype("pt2e_fq.ste_grad", "grad", grad);
+  check_float_dtype(op_names::kSteGrad, "grad", grad);
 }
 
 }  // namespace pt2e_fq
