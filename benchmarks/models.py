@@ -1,5 +1,5 @@
 """Example architectures used by the tests, the benchmarks and as
-`pt2e-fq quantize --model pt2e_fq.app.models:<factory>` targets: every
+`pt2e-fq quantize --model benchmarks.models:<factory>` targets: every
 class here builds with its defaults, so the class itself is the factory.
 
 Built from plain torch.nn parts, so that torch.export sees the ops real
@@ -17,7 +17,7 @@ models give and the quantizer annotates them as it would there:
 
 For example:
 
-    pt2e-fq quantize --model pt2e_fq.app.models:CNN --example-input 1x3x8x8 --preset w8a8
+    pt2e-fq quantize --model benchmarks.models:CNN --example-input 1x3x8x8 --preset w8a8
 """
 
 from __future__ import annotations

@@ -41,10 +41,10 @@ from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
 from quantizers import QuantizerConfig, presets
 
-from ..formats import IntFormat
-from ..inputs import as_args
-from ..report import sqnr_db
-from . import pipeline
+from pt2e_fq.spec.formats import IntFormat
+from pt2e_fq.graph import as_args
+from pt2e_fq.report import sqnr_db
+from pt2e_fq.cli import pipeline
 
 __all__ = ["STOCK_QUANTIZERS", "STOCK_WEIGHT_BITS", "float_op_types", "on_stock_coverage", "outputs", "sqnr_db",
            "sqnr_gap", "stock_quantizer", "stock_quantize", "stock_weight_bits"]

@@ -22,9 +22,9 @@ their own generators. The Hugging Face models return their logits as one
 tensor (a ModelOutput would do for pt2e_fq, but not for SQNR or ONNX
 Runtime comparisons).
 
-    from pt2e_fq.app import zoo
+    from benchmarks import zoo
     entry = zoo.build("resnet18")      # .model (eval mode), .example, .calibration, .held_out
-    pt2e-fq quantize --model pt2e_fq.app.zoo:resnet18 --example-input 2x3x32x32 --preset w8a8
+    pt2e-fq quantize --model benchmarks.zoo:resnet18 --example-input 2x3x32x32 --preset w8a8
 
 torchvision, timm: `pip install "pt2e_fq[models]"`; transformers is in the
 dev extra.

@@ -6,6 +6,9 @@ zero point or minval, global scale, integer range, block axis.
 
 Every reader of op calls (report, ONNX export and its check, conv-bn
 folding) goes through here, so none re-learns an op's arguments.
+
+`as_args`: example inputs as the positional-argument tuple torch.export,
+the prepared model and the exporters take (a single tensor is one argument).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from .format_kinds import KINDS, FormatKind, OpCall
+from .spec.format_kinds import KINDS, FormatKind, OpCall
 
 
 def _kind(op) -> Optional[FormatKind]:
@@ -71,3 +74,14 @@ def program_constants(ep: torch.export.ExportedProgram) -> dict[str, torch.Tenso
     named = {**ep.state_dict, **ep.constants}
     mapping = {**sig.inputs_to_parameters, **sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}
     return {placeholder: named[target] for placeholder, target in mapping.items() if target in named}
+
+
+def as_args(example_inputs) -> tuple:
+    """example_inputs as the positional-argument tuple torch.export takes."""
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs)
+    raise TypeError(
+        f"example_inputs must be a tensor or a tuple of positional arguments, got {type(example_inputs).__name__}"
+    )

@@ -22,13 +22,13 @@ from dataclasses import dataclass
 from typing import Callable, ClassVar, Optional, Sequence
 
 import torch
-from .blocks import expand_blocks, reduce_blocks, whole_dims
+from .ops.blocks import expand_blocks, reduce_blocks, whole_dims
 
 Range = tuple[torch.Tensor, torch.Tensor]
 # (lo, hi) -> x fake-quantized with the qparams of that range.
 FakeQuantizeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # A batch's per-block range -> the range over every rank's batch
-# (observer_sync.all_reduce_range, bound to a process group).
+# (_observer_sync.all_reduce_range, bound to a process group).
 ReduceRangeFn = Callable[[torch.Tensor, torch.Tensor], Range]
 
 
@@ -91,7 +91,7 @@ class Observer:
     # (HistogramObserver: `accumulate` and `search`).
     keeps_histogram: ClassVar[bool] = False
     dynamic: ClassVar[bool] = False
-    # Whether the fused observe ops (observe_ops.py) reproduce `observe`
+    # Whether the fused observe ops (ops/observe.py) reproduce `observe`
     # (with `fused_averaging_constant`): a subclass with an update of its
     # own stays on the unfused path.
     fusable: ClassVar[bool] = False

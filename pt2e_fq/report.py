@@ -36,13 +36,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .fake_quantize import FakeQuantize, NonFiniteQParamsError, nonfinite_entry
-from .format_kinds import INTEGER, SCALED_FLOAT, OpCall
-from .formats import IntFormat
-from .granularity import PerBlock, PerChannel, PerGroup, PerTensor
-from .inputs import as_args
-from .op_call import decode, decode_node, is_fake_quant_node, program_constants
+from .spec.format_kinds import INTEGER, SCALED_FLOAT, OpCall
+from .spec.formats import IntFormat
+from .spec.granularity import PerBlock, PerChannel, PerGroup, PerTensor
+from .graph import as_args, decode, decode_node, is_fake_quant_node, program_constants
 from .ops import unpack_mask
-from .schemes import Formulation
+from .spec.schemes import Formulation
 
 
 def _copy(value):

@@ -61,8 +61,8 @@ from pt2e_fq import (
     PerTensor,
     QSpec,
 )
-from pt2e_fq.export.qdq import XNNPACK_FUSED_ACTIVATIONS
-from pt2e_fq.format_kinds import MX, kind_of
+from pt2e_fq.export.lowering.qdq import XNNPACK_FUSED_ACTIVATIONS
+from pt2e_fq.spec.format_kinds import MX, kind_of
 
 from .config import OpConfig, QuantizerConfig
 from .patterns import CONV_OPS

@@ -19,7 +19,7 @@ from torch.fx import GraphModule, Node
 from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, Quantizer, SharedQuantizationSpec
 
 from pt2e_fq import QSpec
-from pt2e_fq.blocks import reduced_shape
+from pt2e_fq.ops.blocks import reduced_shape
 from pt2e_fq.report import float_weights_text
 
 from .config import OP_CONFIG_KEYS, QuantizerConfig

@@ -35,9 +35,9 @@ from kernel_cases import (
 
 from conftest import FLOAT_DTYPES, affine_cases, assert_bits_equal, make_case
 from pt2e_fq import observers, ops, reference
-from pt2e_fq.blocks import reduce_blocks
-from pt2e_fq.formats import ELEMENTS
-from pt2e_fq.qparams import int_range_limit
+from pt2e_fq.ops.blocks import reduce_blocks
+from pt2e_fq.spec.formats import ELEMENTS
+from pt2e_fq.spec.qparams import int_range_limit
 
 ROOT = Path(__file__).resolve().parent.parent
 SIM = ROOT / "tests" / "cuda_sim"

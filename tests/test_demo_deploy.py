@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from test_export_executorch import MISSING
 
-from pt2e_fq.app import demo
+from pt2e_fq.cli import demo
 
 
 def test_the_runtime_rows_classify_as_the_fake_quant_models_do(tmp_path):

@@ -1,5 +1,5 @@
 """The model suite (issue 17, "Deliver"; issue 21.2): real architectures
-from torchvision, timm and transformers at toy sizes (pt2e_fq/app/zoo.py),
+from torchvision, timm and transformers at toy sizes (benchmarks/zoo.py),
 every preset through the pipeline, as a user runs them.
 
 - PTQ, every preset on resnet18 and Llama, w8a8 on every model, fp8 on the
@@ -59,7 +59,7 @@ import torch
 from quantized_models import fake_quant_nodes
 
 try:
-    from pt2e_fq.app import zoo
+    from benchmarks import zoo
 
     zoo.import_torchvision()
     import timm  # noqa: F401
@@ -69,8 +69,8 @@ except ImportError as e:
 pytest.importorskip("onnxruntime", reason="the ONNX checks need the onnx extra")
 
 import pt2e_fq
-from pt2e_fq.app import pipeline
-from pt2e_fq.app.accuracy import (
+from pt2e_fq.cli import pipeline
+from benchmarks.stock_flows import (
     STOCK_QUANTIZERS,
     float_op_types,
     on_stock_coverage,

@@ -23,12 +23,12 @@ from onnx import numpy_helper
 
 from quantized_models import fake_quant_nodes
 
-from pt2e_fq.app import pipeline
-from pt2e_fq.app.models import MLP
+from pt2e_fq.cli import pipeline
+from benchmarks.models import MLP
 from pt2e_fq.export import check_onnx, to_onnx
-from pt2e_fq.export import onnx_check
-from pt2e_fq.export.onnx import POINTS_METADATA
-from pt2e_fq.export.onnx_check import FLOAT_OUTPUT_RTOL, FUSED_FLOAT_OUTPUT_MIN_SQNR_DB, first_divergence
+from pt2e_fq.export.onnx import check as onnx_check
+from pt2e_fq.export.onnx.export import POINTS_METADATA
+from pt2e_fq.export.onnx.check import FLOAT_OUTPUT_RTOL, FUSED_FLOAT_OUTPUT_MIN_SQNR_DB, first_divergence
 from pt2e_fq.export.output_diff import output_diff
 from quantizers import presets
 

@@ -1,4 +1,4 @@
-"""pt2e_fq.app.pipeline: the PT2E flow in a few calls, against the float model."""
+"""pt2e_fq.cli.pipeline: the PT2E flow in a few calls, against the float model."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torchao.quantization.pt2e import qat_utils
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
 from pt2e_fq import FakeQuantize
-from pt2e_fq.app import pipeline
+from pt2e_fq.cli import pipeline
 from quantizers import FakeQuantQuantizer, presets
 
 

@@ -21,7 +21,7 @@ import torchao.quantization.pt2e as tao
 from quantizer_models import single_thread, sqnr_db  # noqa: F401 (an autouse fixture)
 
 import pt2e_fq
-from pt2e_fq.app import pipeline
+from pt2e_fq.cli import pipeline
 
 
 def stochastic_depth(x, p: float, training: bool):

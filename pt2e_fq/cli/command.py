@@ -28,7 +28,7 @@ import zipfile
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..export.qdq import TARGETS, UNSUPPORTED
+from ..export.lowering.qdq import TARGETS, UNSUPPORTED
 from ..files import WriteError, check_writable
 
 PROG = "pt2e-fq"
@@ -401,7 +401,7 @@ def cmd_quantize(args) -> int:
     _check_output("--onnx", args.onnx, ".onnx")
     _check_output("--pte", args.pte, ".pte")
     if args.pte:
-        from ..export.executorch import require_executorch
+        from ..export.lowering.executorch import require_executorch
 
         try:
             require_executorch()

@@ -34,7 +34,7 @@ from quantizers import presets
 
 from . import digits, pipeline
 from ..export import check_onnx, compile_x86, ort_session, run_pte, save, to_executorch, to_onnx, to_qdq
-from ..export.executorch import require_executorch
+from ..export.lowering.executorch import require_executorch
 from ..fake_quantize import FakeQuantize
 from ..files import write_bytes, write_text
 from ..report import report

@@ -1,6 +1,6 @@
 """The PT2E quantization flow in a few calls.
 
-    from pt2e_fq.app import pipeline
+    from pt2e_fq.cli import pipeline
     prepared = pipeline.prepare(model, (x,), "w8a8")              # export -> annotate -> prepare_pt2e
     pipeline.calibrate(prepared, calibration_batches)             # observers see data (tqdm bar)
     converted = pipeline.convert(prepared)                        # convert_pt2e
@@ -42,7 +42,7 @@ from tqdm import tqdm
 from quantizers import FakeQuantQuantizer, QuantizerConfig, presets
 from quantizers.patterns import DROPOUTS
 
-from ..inputs import as_args
+from ..graph import as_args
 from ..fake_quantize import FakeQuantize
 
 ConfigLike = Union[str, QuantizerConfig, FakeQuantQuantizer]

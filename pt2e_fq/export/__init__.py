@@ -14,13 +14,21 @@
 """
 
 from .bn_fold import fold_conv_bn
-from .onnx import to_onnx
-from .onnx_check import OnnxCheck, check_onnx, ort_session
+from .lowering import (
+    XNNPACK_FUSED_ACTIVATIONS,
+    LoweredCheck,
+    PteExport,
+    QdqSummary,
+    UnsupportedPointError,
+    check_lowered,
+    compile_x86,
+    run_pte,
+    to_executorch,
+    to_qdq,
+)
+from .onnx import OnnxCheck, check_onnx, ort_session, to_onnx
 from .program import exported_program
 from .pt2 import load, save
-from .qdq import XNNPACK_FUSED_ACTIVATIONS, QdqSummary, UnsupportedPointError, compile_x86, to_qdq
-from .qdq_check import LoweredCheck, check_lowered
-from .executorch import PteExport, run_pte, to_executorch
 
 __all__ = ["save", "load", "to_onnx", "check_onnx", "ort_session", "OnnxCheck", "fold_conv_bn", "exported_program",
            "to_qdq", "QdqSummary", "XNNPACK_FUSED_ACTIVATIONS", "UnsupportedPointError", "compile_x86", "check_lowered", "LoweredCheck",

@@ -19,7 +19,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from .blocks import MAX_BLOCK, check_block_size, check_qparam, reduced_shape
-from .formats import ELEMENTS, MX_BLOCK, NVFP4_BLOCK, element
+from ..spec.formats import ELEMENTS, MX_BLOCK, NVFP4_BLOCK, element
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT16_MIN, _INT16_MAX = -(2**15), 2**15 - 1
@@ -312,7 +312,8 @@ _warned_qparam_grad = False
 # Frames in these folders are ours or torch's dispatch: the warning points
 # at the first frame outside them, the user's call, however deep the
 # wrappers are (the raw torch.ops call or a FakeQuantize module).
-_INTERNAL_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules[__package__]))
+_PACKAGE = sys.modules[__package__.partition(".")[0]]  # pt2e_fq, not pt2e_fq.ops
+_INTERNAL_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, _PACKAGE))
 
 
 def _user_stacklevel() -> int:
@@ -416,7 +417,7 @@ def fake_quantize_float(
 
         y = cast_rne(clamp(x / scale, -fmax, fmax)) * scale
 
-    dtype is an element of `pt2e_fq.formats.ELEMENTS`, by name or torch
+    dtype is an element of `pt2e_fq.spec.formats.ELEMENTS`, by name or torch
     dtype: "e4m3" (torch.float8_e4m3fn), "e5m2" (torch.float8_e5m2) or
     "e2m1" (torch.float4_e2m1fn_x2: 0, 0.5, 1, 1.5, 2, 3, 4, 6). The
     cast rounds to nearest, ties to even, with the format's subnormals.

@@ -12,7 +12,7 @@ from typing import Union
 
 import torch
 
-from .formats import element
+from ..spec.formats import element
 
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 

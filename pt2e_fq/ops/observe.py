@@ -7,7 +7,7 @@ place on x's device with no host sync, the running per-block range of a
 MinMaxObserver or MovingAverageMinMaxObserver (non-finite values ignored and
 counted), the qparams of that range, and return y (and the packed mask) of
 `fake_quantize_affine` / `fake_quantize_float` on the new qparams: the bits
-of the unfused path (observers.py, qparams.py, format_kinds.py, then the
+of the unfused path (observers.py, spec/qparams.py, spec/format_kinds.py, then the
 static op), which stays the reference and serves the first observation,
 distributed sync and the other observers.
 
@@ -25,8 +25,8 @@ from typing import Optional, Sequence
 import torch
 
 from .blocks import check_block_size, check_qparam, reduced_shape
-from .formats import ELEMENTS
-from .ops import _call, _check_x
+from ..spec.formats import ELEMENTS
+from .fake_quant import _call, _check_x
 
 AFFINE_OP = "pt2e_fq.fake_quantize_affine_observe"
 FLOAT_OP = "pt2e_fq.fake_quantize_float_observe"

@@ -16,7 +16,7 @@ the format:
   (fake_quantize_nvfp4).
 
 Each kind also reads its op's call back (`decode`): the typed `OpCall`
-record that op_call.py builds for any pt2e_fq node or call.
+record that graph.py builds for any pt2e_fq node or call.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import ops
+from .. import ops
 from .formats import ELEMENTS, FloatFormat, Format, IntFormat
 from .granularity import Granularity, PerGroup, PerTensor
-from .observers import block_abs_max, block_min_max, fp32
+from ..observers import block_abs_max, block_min_max, fp32
 from .qparams import (
     INT_SCALE_EPS,
     asymmetric_qparams,
@@ -45,7 +45,7 @@ from .schemes import Formulation, Scheme
 
 # While set (by to_onnx, around its torch.export): fn(x, block_size, fmax)
 # -> the dynamic scaled-float scale of x as one op call the ONNX translation
-# expands (export/onnx_scale.py), or None where it does not apply. A plain
+# expands (export/onnx/scale.py), or None where it does not apply. A plain
 # module global, not a ContextVar: torch.compile reads a global (and guards
 # on it) but breaks the graph at ContextVar.get.
 FUSED_FLOAT_SCALE: Optional[Callable] = None
@@ -168,7 +168,7 @@ class FormatKind:
         self, spec, x: torch.Tensor, block_size, state: dict, averaging_constant: Optional[float]
     ) -> torch.Tensor:
         """A static point's step with its range observer on, in one op
-        (observe_ops.py): updates `state` in place (the running range
+        (ops/observe.py): updates `state` in place (the running range
         "min_val" / "max_val", the qparams by name, the counter "nonfinite")
         exactly as the observer, `qparams_from_range` and the stored qparams
         would, and returns `fake_quantize` of x on the new qparams.

@@ -1,7 +1,7 @@
 """Granularities: which elements share one scale.
 
 Each granularity turns a tensor shape into a `block_size` (one entry per
-dimension; see blocks.py), so observers, qparams and the op handle every
+dimension; see ops/blocks.py), so observers, qparams and the op handle every
 granularity the same way. Qparams have the shape ceil(shape / block_size),
 the same rank as the tensor.
 """

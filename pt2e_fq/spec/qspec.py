@@ -16,7 +16,7 @@ from typing import Optional, Union
 from .format_kinds import FormatKind, kind_of
 from .formats import INT8, FloatFormat, Format, IntFormat
 from .granularity import GRANULARITIES, Granularity, PerTensor, PerToken
-from .observers import OBSERVERS, CurrentMinMaxObserver, MinMaxObserver, Observer
+from ..observers import OBSERVERS, CurrentMinMaxObserver, MinMaxObserver, Observer
 from .schemes import Formulation, Scheme
 
 
@@ -42,7 +42,7 @@ class QSpec:
         PerBlock(block), PerToken(). MX formats need PerGroup(32, axis),
         NVFP4 PerGroup(16, axis).
     scheme: SYMMETRIC, SYMMETRIC_NARROW, SYMMETRIC_NO_CLIP or ASYMMETRIC
-        (integer formats; pt2e_fq.schemes); float formats are SYMMETRIC.
+        (integer formats; pt2e_fq.spec.schemes); float formats are SYMMETRIC.
     formulation: ZP or MINVAL (MINVAL: integer, ASYMMETRIC only).
     observer: how the range is found; None picks MinMaxObserver() for a
         static point and CurrentMinMaxObserver() for a dynamic one.

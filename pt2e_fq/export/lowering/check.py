@@ -19,11 +19,10 @@ import torch
 from tabulate import tabulate
 from torch.utils._pytree import tree_leaves
 
-from ..blocks import expand_blocks
-from ..inputs import as_args
-from ..op_call import decode_node, is_fake_quant_node, program_constants
-from .output_diff import HEADERS, output_diff
-from .program import exported_program
+from ...ops.blocks import expand_blocks
+from ...graph import as_args, decode_node, is_fake_quant_node, program_constants
+from ..output_diff import HEADERS, output_diff
+from ..program import exported_program
 
 # One quantization step, plus the fp32 rounding of the two dequantized values.
 _STEP_SLACK = 1 + 1e-3

@@ -17,8 +17,8 @@ from typing import Any, Optional, Union
 
 import torch
 
-from ..files import check_writable, write_bytes
-from ..inputs import as_args
+from ...files import check_writable, write_bytes
+from ...graph import as_args
 from .qdq import QdqSummary, UnsupportedPointError, to_qdq
 
 

@@ -58,12 +58,11 @@ from typing import Any, Optional
 
 import torch
 
-from ..blocks import expand_blocks
-from ..format_kinds import INTEGER, OpCall
-from ..inputs import as_args
-from ..op_call import decode_node, is_fake_quant_node
-from ..report import _point_name, _role, check_finite_qparams
-from .program import exported_program
+from ...ops.blocks import expand_blocks
+from ...spec.format_kinds import INTEGER, OpCall
+from ...graph import as_args, decode_node, is_fake_quant_node
+from ...report import _point_name, _role, check_finite_qparams
+from ..program import exported_program
 
 TARGETS = ("generic", "xnnpack", "x86_inductor")
 UNSUPPORTED = ("error", "keep", "float")

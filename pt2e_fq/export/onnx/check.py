@@ -41,11 +41,10 @@ import torch
 from tabulate import tabulate
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ..op_call import decode_node, is_fake_quant_node, program_constants
-from .onnx import POINTS_METADATA, require_onnx
-from .output_diff import HEADERS, abs_diff, output_diff
-from ..inputs import as_args
-from .program import exported_program
+from ...graph import as_args, decode_node, is_fake_quant_node, program_constants
+from .export import POINTS_METADATA, require_onnx
+from ..output_diff import HEADERS, abs_diff, output_diff
+from ..program import exported_program
 
 # ONNX Runtime CPU optimizer passes with known bugs on QDQ graphs (1.32):
 # ReluQuantRewrite drops a Relu before an fp8 QuantizeLinear with zero point 0;

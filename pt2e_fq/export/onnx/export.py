@@ -1,9 +1,9 @@
 """ONNX export of a quantized model.
 
 `to_onnx` exports through torch.onnx.export(dynamo=True) with our
-translation table (onnx_qdq.py): each fake-quant point becomes
+translation table (translate.py): each fake-quant point becomes
 QuantizeLinear / DequantizeLinear, weights integer initializers. Its check
-in ONNX Runtime is onnx_check.py.
+in ONNX Runtime is check.py.
 
 Needs the `onnx` extra: pip install "pt2e_fq[onnx]".
 """
@@ -16,12 +16,11 @@ from typing import Any, Optional, Union
 
 import torch
 
-from ..files import atomic_write, check_writable
-from ..formats import FloatFormat
-from ..inputs import as_args
-from ..op_call import decode_node, is_fake_quant_node, program_constants
-from ..report import check_finite_qparams
-from .program import exported_program, no_new_stack_traces
+from ...files import atomic_write, check_writable
+from ...spec.formats import FloatFormat
+from ...graph import as_args, decode_node, is_fake_quant_node, program_constants
+from ...report import check_finite_qparams
+from ..program import exported_program, no_new_stack_traces
 
 # The lowest opset the translation targets: int4, int16 and blocked Q/DQ
 # arrived in opset 21.
@@ -46,7 +45,7 @@ def require_onnx() -> None:
 def _check_exportable(ep: torch.export.ExportedProgram) -> None:
     """Refuses what the ONNX translation cannot carry: E2M1 elements, and any
     op output but the fake-quantized values (the clamp mask, MX scales)."""
-    from .onnx_qdq import E2M1_UNSUPPORTED
+    from .translate import E2M1_UNSUPPORTED
 
     for node in ep.graph.nodes:
         if not is_fake_quant_node(node):
@@ -156,12 +155,12 @@ def to_onnx(
     pt2e_fq.files.WriteError.
     """
     require_onnx()
-    from .onnx_qdq import translation_table
-    from .onnx_scale import fused_scales
+    from .translate import translation_table
+    from .scale import fused_scales
 
     _check_opset(opset)
     check_writable(path)  # before the export's work
-    with fused_scales():  # a dynamic FP8 point's scale as one node (onnx_scale.py)
+    with fused_scales():  # a dynamic FP8 point's scale as one node (scale.py)
         ep = exported_program(model, example_inputs, dynamic_shapes=dynamic_shapes, fold_bn=fold_bn)
     check_finite_qparams(ep, "to_onnx")
     _check_exportable(ep)

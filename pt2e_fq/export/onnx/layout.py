@@ -23,7 +23,7 @@ import onnx_ir as ir
 import torch
 from onnxscript import opset21 as op
 
-from ..blocks import expand_blocks, reduced_shape
+from ...ops.blocks import expand_blocks, reduced_shape
 
 
 @dataclass(frozen=True)

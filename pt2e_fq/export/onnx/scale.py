@@ -25,11 +25,11 @@ import numpy as np
 import torch
 from onnxscript import opset21 as op
 
-from .. import format_kinds
-from ..blocks import whole_dims
-from ..observers import block_abs_max
-from ..qparams import FLOAT_SCALE_TINY, float_scale_from_amax
-from .onnx_layout import constant
+from ...spec import format_kinds
+from ...ops.blocks import whole_dims
+from ...observers import block_abs_max
+from ...spec.qparams import FLOAT_SCALE_TINY, float_scale_from_amax
+from .layout import constant
 
 
 @torch.library.custom_op("pt2e_fq_onnx::float_scale", mutates_args=())

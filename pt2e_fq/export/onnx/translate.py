@@ -1,6 +1,6 @@
 """ONNX QuantizeLinear / DequantizeLinear for the pt2e_fq operators: the
 custom translation table torch.onnx.export(dynamo=True) calls for each
-fake-quant node (opset 21). Where the qparams go: onnx_layout.py.
+fake-quant node (opset 21). Where the qparams go: layout.py.
 
     weight (x and qparams constant): stored codes -> DequantizeLinear
     activation: QuantizeLinear -> DequantizeLinear (computed scales: MX)
@@ -46,12 +46,12 @@ import onnx_ir as ir
 import torch
 from onnxscript import opset21 as op
 
-from .. import ops
-from ..blocks import expand_blocks
-from ..float_cast import cast_float
-from ..format_kinds import OpCall
-from ..op_call import decode
-from .onnx_layout import FP8, Point, constant, int_type, numpy_array
+from ... import ops
+from ...ops.blocks import expand_blocks
+from ...ops.float_cast import cast_float
+from ...spec.format_kinds import OpCall
+from ...graph import decode
+from .layout import FP8, Point, constant, int_type, numpy_array
 
 pt2e_fq_ops = torch.ops.pt2e_fq
 _CLIP_TYPES = (ir.DataType.INT8, ir.DataType.UINT8)  # integer Clip that ONNX Runtime runs
@@ -243,7 +243,7 @@ def translation_table(constants: Mapping[str, torch.Tensor], points: list) -> di
     placeholder names to their tensors (parameters, buffers, constants).
     Each translation appends to `points` its (input, input's consumers,
     output) ONNX values, input None where x was a constant stored as codes."""
-    from .onnx_scale import translate_float_scale
+    from .scale import translate_float_scale
 
     return {
         torch.ops.pt2e_fq_onnx.float_scale.default: translate_float_scale,
