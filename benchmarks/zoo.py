@@ -22,7 +22,7 @@ their own generators. The Hugging Face models return their logits as one
 tensor (a ModelOutput would do for pt2e_fq, but not for SQNR or ONNX
 Runtime comparisons).
 
-    from benchmarks import zoo
+    from benchmarks import zoo           # from the repository root
     entry = zoo.build("resnet18")      # .model (eval mode), .example, .calibration, .held_out
     pt2e-fq quantize --model benchmarks.zoo:resnet18 --example-input 2x3x32x32 --preset w8a8
 
@@ -38,55 +38,11 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from pt2e_fq.plugins.torchvision import allow_torchvision_import, import_torchvision
+
 IMAGE_BATCH, IMAGE_SIZE, CLASSES = 8, 32, 10
 TOKEN_BATCH = 8
 CALIBRATION_BATCHES, HELD_OUT_BATCHES = 4, 16
-
-
-def allow_torchvision_import() -> None:
-    """Makes `import torchvision` work beside a CPU-only torch; call it
-    before importing torchvision, timm or a transformers model (transformers'
-    modeling_utils imports torchvision wherever it is installed).
-
-    torchvision's PyPI wheel links libtorch_cuda, so beside the CPU torch its
-    C ops (`_C.so`) do not load; its Python code then registers fake kernels
-    for `torchvision::nms` and `qnms`, which fails on the missing schemas, and
-    the import with it. Where `_C.so` does not load, the two schemas are
-    defined here first, so that the pure-Python models import (the C ops stay
-    missing; none of the zoo's models calls them). Where it loads, it defines
-    them itself and nothing is added; where torchvision is not installed,
-    nothing is done. Idempotent."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.find_spec("torchvision")
-    if spec is None or _TORCHVISION_SCHEMAS or hasattr(torch.ops.torchvision, "nms"):
-        return
-    try:
-        for library in Path(spec.origin).parent.glob("_C.*"):
-            torch.ops.load_library(str(library))
-    except OSError:  # libtorch_cuda.so: cannot open shared object file
-        library = torch.library.Library("torchvision", "DEF")
-        library.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        library.define("qnms(Tensor qdets, Tensor scores, float iou_threshold) -> Tensor")
-        _TORCHVISION_SCHEMAS.append(library)  # a Library deregisters its schemas when collected
-
-
-def import_torchvision():
-    """`import torchvision` (allow_torchvision_import first); an ImportError
-    naming the extra where it is not installed."""
-    import importlib.util
-
-    if importlib.util.find_spec("torchvision") is None:
-        raise ImportError('the model zoo needs torchvision and timm: pip install "pt2e_fq[models]"')
-    allow_torchvision_import()
-    import torchvision
-
-    return torchvision
-
-
-# The torchvision schema fragment, kept alive for the process.
-_TORCHVISION_SCHEMAS: list = []
 
 
 @dataclass(frozen=True)

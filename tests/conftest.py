@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import pt2e_fq  # noqa: F401  (registers torch.ops.pt2e_fq)
 from pt2e_fq import ops, reference
-from benchmarks.zoo import allow_torchvision_import
+from pt2e_fq.plugins.torchvision import allow_torchvision_import
 from pt2e_fq.ops.blocks import reduced_shape
 
 # The models extra installs torchvision, whose PyPI wheel cannot load its C ops
