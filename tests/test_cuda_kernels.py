@@ -22,6 +22,7 @@ from kernel_cases import (
 
 from conftest import FLOAT_DTYPES, assert_bits_equal, make_case, requires_cuda_kernels
 from pt2e_fq import ops, reference
+from pt2e_fq.ops import _checks
 
 pytestmark = requires_cuda_kernels
 
@@ -125,7 +126,7 @@ def test_mx_cuda_equals_cpu(shape, fmt, dtype, layout):
     x = block_input(dims, dtype, seed=7)
 
     def fn(x):
-        return torch.ops.pt2e_fq.fake_quantize_mx(x, ops._elem_format("fake_quantize_mx", "elem_dtype", fmt), 32, axis)
+        return torch.ops.pt2e_fq.fake_quantize_mx(x, _checks._elem_format("fake_quantize_mx", "elem_dtype", fmt), 32, axis)
 
     if layout == "empty":
         x, layout = x.narrow(axis, 0, 0), "contiguous"

@@ -264,7 +264,7 @@ GRANULARITIES = [q.PerTensor(), q.PerChannel(0), q.PerChannel(1), q.PerToken(), 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("gran", GRANULARITIES, ids=repr)
 def test_block_abs_max_matches_a_loop_over_blocks(gran, dtype):
-    from pt2e_fq.observers import block_abs_max
+    from pt2e_fq.ops.blocks import block_abs_max
 
     x = _nasty((3, 5, 7), dtype)
     bs = gran.block_size(x.shape)

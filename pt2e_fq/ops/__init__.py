@@ -6,7 +6,8 @@
 - `blocks`, `float_cast`: the block layout and float-cast math they share
   with observers, export and the reference.
 
-Importing this package registers the ops' fake (meta) implementations.
+Importing this package registers the ops' fake (meta) implementations
+(`_fake`); the argument checks are in `_checks`.
 """
 
 from .fake_quant import (
@@ -21,7 +22,8 @@ from .fake_quant import (
     fake_quantize_nvfp4_with_scales,
     unpack_mask,
 )
-from .fake_quant import _warn_qparam_grad  # noqa: F401  (csrc/common/ste_autograd.cpp calls pt2e_fq.ops._warn_qparam_grad)
+from . import _fake  # noqa: F401  (registers the fake implementations)
+from ._qparam_grad import _warn_qparam_grad  # noqa: F401  (csrc/common/ste_autograd.cpp calls it by this name)
 from .observe import fake_quantize_affine_observe, fake_quantize_float_observe
 
 __all__ = [

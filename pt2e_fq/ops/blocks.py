@@ -8,6 +8,7 @@ ceil(x.shape / block_size); a last block shorter than the others is allowed.
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -128,3 +129,38 @@ def expand_blocks(t: torch.Tensor, shape: Sequence[int], block_size: Sequence[in
     for d, (s, b) in enumerate(zip(shape, block_size)):
         t = t.repeat_interleave(b, dim=d).narrow(d, 0, s)
     return t
+
+
+# -- per-block reductions of the observers and the qparams ------------------------
+
+
+def fp32(t: torch.Tensor) -> torch.Tensor:
+    """t as float32. `t.float()` of an fp32 tensor is t itself in eager mode,
+    but torch.export records it (a cast and a metadata assertion), and a
+    dynamic point's qparam ops are traced into every exported graph."""
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def block_min_max(x: torch.Tensor, block_size: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 minimum and maximum of the finite values of every block;
+    (+inf, -inf), the reductions' identities, for a block with none: a
+    running range folded with it stays as it was (observers.py)."""
+    finite = torch.isfinite(x)
+    lo = reduce_blocks(torch.where(finite, x, math.inf), block_size, torch.amin, math.inf)
+    hi = reduce_blocks(torch.where(finite, x, -math.inf), block_size, torch.amax, -math.inf)
+    return fp32(lo), fp32(hi)
+
+
+def block_abs_max(x: torch.Tensor, block_size: Sequence[int]) -> torch.Tensor:
+    """The fp32 maximum |value| of the finite values of every block, 0 for a
+    block with none: max(|lo|, |hi|) of block_min_max with an empty range
+    read as [0, 0], bit for bit (|x| is exact, and a maximum does not round),
+    in half the ops. Every value reduced is >= +0, so neither the order of the
+    reduction nor a padding 0 can change the result; blocks that span whole
+    dimensions are reduced over those dimensions in place (whole_dims)."""
+    a = x.abs()
+    a = torch.where(a < math.inf, a, 0.0)  # |x| < inf: x is finite (False for NaN); fewer ops than isfinite
+    whole = whole_dims(a.shape, block_size)
+    if whole is not None and a.numel() > 0:
+        return fp32(torch.amax(a, dim=whole, keepdim=True))
+    return fp32(reduce_blocks(a, block_size, torch.amax, 0.0))

@@ -27,9 +27,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import ops
+from ..ops.blocks import block_abs_max, block_min_max, fp32
 from .formats import ELEMENTS, FloatFormat, Format, IntFormat
 from .granularity import Granularity, PerGroup, PerTensor
-from ..observers import block_abs_max, block_min_max, fp32
 from .qparams import (
     INT_SCALE_EPS,
     asymmetric_qparams,

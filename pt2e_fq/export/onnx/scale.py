@@ -25,9 +25,8 @@ import numpy as np
 import torch
 from onnxscript import opset21 as op
 
+from ...ops.blocks import block_abs_max, whole_dims
 from ...spec import format_kinds
-from ...ops.blocks import whole_dims
-from ...observers import block_abs_max
 from ...spec.qparams import FLOAT_SCALE_TINY, float_scale_from_amax
 from .layout import constant
 
