@@ -41,6 +41,8 @@ from typing import Optional
 import torch
 from torch.fx import Node
 
+from pt2e_fq.graph import DROPOUTS
+
 aten = torch.ops.aten
 
 # Roles an argument can play; they name the fields of an OpConfig.
@@ -115,9 +117,6 @@ PASS_THROUGH = _VIEWS | {
 }
 # Casts: a pass-through when the dtype does not change (is_no_op_cast).
 _CASTS = {aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.type_as.default, aten._to_copy.default}
-# Dropouts (input, p, train): the identity, so a pass-through, where train is False (an eval-mode export).
-DROPOUTS = set(_with_inplace((aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default,
-                              aten.feature_alpha_dropout.default)))
 AVERAGING_POOLS = {
     aten.avg_pool1d.default, aten.avg_pool2d.default, aten.avg_pool3d.default,
     aten.adaptive_avg_pool1d.default, aten.adaptive_avg_pool2d.default, aten.adaptive_avg_pool3d.default,

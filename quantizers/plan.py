@@ -26,7 +26,7 @@ from typing import Optional, Union
 from torch.fx import GraphModule, Node
 
 from pt2e_fq import IntFormat, PerBlock, PerChannel, PerGroup, PerTensor, QSpec
-from pt2e_fq.report import float_weight_ops
+from pt2e_fq.graph import float_weight_ops
 
 from .config import OpConfig, QuantizerConfig
 from .patterns import AVERAGING_POOLS, CONV_OPS, WEIGHT, OpMatch, activation_ops, match, passes_grid, residual_add
@@ -81,7 +81,7 @@ class PlannedOp:
 class Plan:
     """ops: every op an op config can reach; float_weight_ops: the ops that
     read a weight (two or more dimensions) and that no op pattern covers, so
-    no config can quantize it (pt2e_fq.report.float_weight_ops)."""
+    no config can quantize it (pt2e_fq.graph.float_weight_ops)."""
 
     ops: list[PlannedOp] = field(default_factory=list)
     annotations: dict[Node, NodeAnnotation] = field(default_factory=dict)

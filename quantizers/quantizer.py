@@ -20,7 +20,7 @@ from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, Quantize
 
 from pt2e_fq import QSpec
 from pt2e_fq.ops.blocks import reduced_shape
-from pt2e_fq.report import float_weights_text
+from pt2e_fq.graph import float_weights_text
 
 from .config import OP_CONFIG_KEYS, QuantizerConfig
 from .plan import Plan, PlannedInput, Point, build_plan, module_stack, node_or_edge_name

@@ -22,7 +22,7 @@ from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 import pt2e_fq as q
 from pt2e_fq import reference
 from pt2e_fq.fake_quantize import NonFiniteQParamsError
-from pt2e_fq.report import check_finite_qparams
+from pt2e_fq.graph import check_finite_qparams
 
 NAN, INF = float("nan"), float("inf")
 

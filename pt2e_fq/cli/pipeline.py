@@ -40,9 +40,8 @@ from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e, 
 from tqdm import tqdm
 
 from quantizers import FakeQuantQuantizer, QuantizerConfig, presets
-from quantizers.patterns import DROPOUTS
 
-from ..graph import as_args
+from ..graph import DROPOUTS, as_args
 from ..fake_quantize import FakeQuantize
 
 ConfigLike = Union[str, QuantizerConfig, FakeQuantQuantizer]

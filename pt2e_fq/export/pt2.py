@@ -23,7 +23,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..files import atomic_write, check_writable
-from ..report import check_finite_qparams
+from ..graph import check_finite_qparams
 from .program import exported_program
 
 

@@ -60,8 +60,7 @@ import torch
 
 from ...ops.blocks import expand_blocks
 from ...spec.format_kinds import INTEGER, OpCall
-from ...graph import as_args, decode_node, is_fake_quant_node
-from ...report import _point_name, _role, check_finite_qparams
+from ...graph import as_args, check_finite_qparams, decode_node, is_fake_quant_node, point_name, point_role
 from ..program import exported_program
 
 TARGETS = ("generic", "xnnpack", "x86_inductor")
@@ -410,8 +409,8 @@ def lower_points(gm: torch.fx.GraphModule, target: str, unsupported: str) -> Qdq
         call = decode_node(node)
         users = {u.args[1]: u for u in node.users if u.target is operator.getitem}
         value = users.get(0)
-        name = _point_name(node)
-        module, role = _role(call.x, value) if value is not None else ("", "unused")
+        name = point_name(node)
+        module, role = point_role(call.x, value) if value is not None else ("", "unused")
         x_val = call.x.meta["val"]
         w = _tensor(gm, call.x)
         scale, zero_point = _tensor(gm, call.scale), _tensor(gm, call.zero_point)

@@ -18,8 +18,7 @@ import torch
 
 from ...files import atomic_write, check_writable
 from ...spec.formats import FloatFormat
-from ...graph import as_args, decode_node, is_fake_quant_node, program_constants
-from ...report import check_finite_qparams
+from ...graph import as_args, check_finite_qparams, decode_node, is_fake_quant_node, program_constants
 from ..program import exported_program, no_new_stack_traces
 
 # The lowest opset the translation targets: int4, int16 and blocked Q/DQ
