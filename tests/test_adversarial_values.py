@@ -398,7 +398,7 @@ def _onnx_file(tmp_path, preset):
 
 def test_onnx_runtime_gives_the_lowest_code_for_nan_and_check_onnx_says_so(tmp_path):
     from pt2e_fq.export import check_onnx
-    from pt2e_fq.export.onnx.check import ort_session
+    from pt2e_fq.export.onnx.session import ort_session
 
     converted, path = _onnx_file(tmp_path, "w8a8")
     x = torch.randn(2, 8, generator=torch.Generator().manual_seed(1))

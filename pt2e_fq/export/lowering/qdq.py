@@ -99,7 +99,7 @@ class UnsupportedPointError(ValueError):
 
 
 @dataclass(frozen=True)
-class Point:
+class QdqPoint:
     """One fake-quant point as to_qdq saw it."""
 
     name: str  # the FakeQuantize module it was traced from
@@ -423,10 +423,10 @@ def lower_points(gm: torch.fx.GraphModule, target: str, unsupported: str) -> Qdq
             with gm.graph.inserting_before(node):
                 new = em.constant(y, "fake_quantized_weight")
             value.replace_all_uses_with(new)
-            points.append(Point(name, module, role, "float weight (fake-quantized)", reason))
+            points.append(QdqPoint(name, module, role, "float weight (fake-quantized)", reason))
             continue
         if plan is None:
-            point = Point(name, module, role, None, reason)
+            point = QdqPoint(name, module, role, None, reason)
             if unsupported == "error" or (unsupported == "float" and y is None):
                 raise UnsupportedPointError(
                     f"to_qdq(target={target!r}): point {point.describe()} cannot be lowered: {reason}. "
@@ -442,7 +442,7 @@ def lower_points(gm: torch.fx.GraphModule, target: str, unsupported: str) -> Qdq
                 new, lowered_as = _lower_activation(em, call.x, scale, zero_point, plan)
         new.meta.update({k: v for k, v in value.meta.items() if k in ("nn_module_stack", "stack_trace")})
         value.replace_all_uses_with(new)
-        points.append(Point(name, module, role, lowered_as))
+        points.append(QdqPoint(name, module, role, lowered_as))
         if w is not None:
             weights.append((new, len(points) - 1, y))
     if target == "xnnpack":

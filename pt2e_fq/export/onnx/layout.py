@@ -7,9 +7,10 @@
   and the op's block_size. ONNX blocks along one axis only: a constant scale
   blocked along more axes is repeated along all but the last; a computed
   (dynamic) scale must not need that.
-- `Point`: one op being translated. It recognises constants by name (at
-  translation time torch.onnx hands over values named after the program's
-  placeholders, without data), puts qparams in the layout and builds Q / DQ.
+- `PointTranslation`: one op being translated. It recognises constants by
+  name (at translation time torch.onnx hands over values named after the
+  program's placeholders, without data), puts qparams in the layout and
+  builds Q / DQ.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def constant(array: np.ndarray):
     return op.Constant(value=ir.tensor(np.array(array, copy=True, order="C")))
 
 
-class Point:
+class PointTranslation:
     """One pt2e_fq op being translated: x's static shape, the op's
     block_size, the layout of its scale, and constants by name."""
 

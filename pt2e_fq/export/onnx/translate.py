@@ -51,7 +51,7 @@ from ...ops.blocks import expand_blocks
 from ...ops.float_cast import cast_float
 from ...spec.format_kinds import OpCall
 from ...graph import decode
-from .layout import FP8, Point, constant, int_type, numpy_array
+from .layout import FP8, PointTranslation, constant, int_type, numpy_array
 
 pt2e_fq_ops = torch.ops.pt2e_fq
 _CLIP_TYPES = (ir.DataType.INT8, ir.DataType.UINT8)  # integer Clip that ONNX Runtime runs
@@ -102,7 +102,7 @@ def _affine(constants: Mapping[str, torch.Tensor], points: list) -> Callable:
 def _translate_affine(call: OpCall, constants, points: list):
     x, scale, zero_point, minval = call.x, call.scale, call.zero_point, call.minval
     quant_min, quant_max = call.quant_min, call.quant_max
-    p = Point(constants, x, call.block_size, scale.shape)
+    p = PointTranslation(constants, x, call.block_size, scale.shape)
     p.set_scale(scale)
     qt = int_type(quant_min, quant_max)
     if minval is not None:
@@ -145,7 +145,7 @@ def _float(constants: Mapping[str, torch.Tensor], points: list) -> Callable:
 def _translate_float(call: OpCall, constants, points: list):
     x, scale, elem = call.x, call.scale, call.format.element
     qt = FP8[elem.name]
-    p = Point(constants, x, call.block_size, scale.shape)
+    p = PointTranslation(constants, x, call.block_size, scale.shape)
     p.set_scale(scale)
     zp = p.filled(0, qt)
     folded = p.const(x) is not None and p.const(scale) is not None
@@ -160,7 +160,7 @@ def _translate_float(call: OpCall, constants, points: list):
     return y, constant(_NO_MASK)
 
 
-def _mx_scales(xf, p: Point, axis: int, block: int, emax: int):
+def _mx_scales(xf, p: PointTranslation, axis: int, block: int, emax: int):
     """The E8M0 block scales of x (fp32, x's shape with `axis` cut to
     ceil(size / block)), computed as the kernel does."""
     size = p.x_shape[axis]
@@ -212,7 +212,7 @@ def _translate_mx(call: OpCall, constants, points: list):
     block = call.block_size[axis]
     qt = FP8[elem.name]
     scale_shape = [(-(-s // block) if d == axis else s) if isinstance(s, int) else s for d, s in enumerate(x.shape)]
-    p = Point(constants, x, call.block_size, scale_shape)
+    p = PointTranslation(constants, x, call.block_size, scale_shape)
     xc = p.const(x)
     if xc is not None:  # a weight: FP8 codes and the block scales the kernel computes
         _, scales = ops.fake_quantize_mx_with_scales(xc.detach(), elem.name, block, axis)
