@@ -228,8 +228,8 @@ def check_finite_qparams(program: torch.export.ExportedProgram, who: str) -> Non
         bad = [e for n, t in call.qparams.items() if isinstance(t, torch.Tensor) for e in [nonfinite_entry(n, t)] if e]
         if bad:
             value = next((u for u in node.users if u.target is operator.getitem and u.args[1] == 0), node)
-            module_path, point_role = point_role(node.args[0], value)
-            found.append(f"{point_name(node)} ({module_path or 'model'}: {point_role}) has {', '.join(bad)}")
+            module, what = point_role(node.args[0], value)
+            found.append(f"{point_name(node)} ({module or 'model'}: {what}) has {', '.join(bad)}")
     if found:
         raise NonFiniteQParamsError(
             f"{who}: {len(found)} fake-quant point(s) have non-finite qparams: {'; '.join(found)}; "

@@ -143,8 +143,8 @@ class Report:
             call: Optional[tuple], x: Optional[torch.Tensor], nonfinite: Optional[int] = None) -> None:
         """One row, from the point's op call (op, arguments, outputs) on its
         input x; call None: the point did not run."""
-        module_path, point_role = module_and_role
-        row = dict(point=point, module=module_path, role=point_role, format=fmt, granularity=granularity,
+        module, what = module_and_role
+        row = dict(point=point, module=module, role=what, format=fmt, granularity=granularity,
                    scale=None, zero_point=None, minval=None, clipped=None, sqnr_db=None, nonfinite=nonfinite)
         if call is not None:
             func, op_args, out = call
@@ -157,7 +157,7 @@ class Report:
                        minval=_range(op_call.minval))
             row["clipped"] = 1.0 - unpack_mask(packed, x.shape).float().mean().item() if x.numel() else 0.0
             row["sqnr_db"] = sqnr_db(x, y)
-            if point_role.startswith(("weight", "bias")):
+            if what.startswith(("weight", "bias")):
                 self.quantized_weights += 1
                 self.quantized_weight_bytes += _bytes(x, bits) + qparam_bytes - x.numel() * x.element_size()
         self.rows.append(row)
