@@ -9,7 +9,6 @@ implementations are in _fake.py; autograd is C++
 only tensor the node saves; learnable_autograd.cpp: the LSQ backward).
 """
 
-
 from __future__ import annotations
 
 from typing import Optional, Sequence, Union

@@ -17,7 +17,6 @@ mask to x; the state tensors get no gradient, and their version counters
 count the in-place update.
 """
 
-
 from __future__ import annotations
 
 from typing import Optional, Sequence
