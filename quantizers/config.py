@@ -111,7 +111,13 @@ def _short_type_name(cls: type) -> str:
 
 
 def _import_module_type(where: str, name: str) -> type:
+    """The class a module_type entry names. Its module is imported as
+    written: a config is trusted input, like the code that loads it."""
     module, _, attr = name.rpartition(".")
+    if not all(part.isidentifier() for part in name.split(".")):
+        # importlib takes a leading "." as a relative import and fails with a TypeError.
+        raise ConfigError(f"{where}: {name!r} is not a dotted class name; write the module and the class, "
+                          "e.g. torch.nn.Linear or mypackage.models.Block")
     try:
         cls = getattr(importlib.import_module(module), attr) if module else None
     except (ImportError, AttributeError):

@@ -142,6 +142,12 @@ _QSPEC = {"format": "int8"}
         ({"module_type": {"torch.nn.Linea": None}}, "module_type['torch.nn.Linea']: 'torch.nn.Linea' is not an "
                                                     "importable torch.nn.Module subclass"),
         ({"module_name_regex": {"fc(": None}}, "module_name_regex['fc(']: not a regular expression"),
+        ({"module_type": {"..a.B": None}}, "module_type['..a.B']: '..a.B' is not a dotted class name; write the "
+                                            "module and the class, e.g. torch.nn.Linear or mypackage.models.Block"),
+        ({"module_type": {".B": None}}, "module_type['.B']: '.B' is not a dotted class name"),
+        ({"module_type": {"torch.nn.": None}}, "module_type['torch.nn.']: 'torch.nn.' is not a dotted class name"),
+        ({"module_type": {"Linear": None}}, "module_type['Linear']: 'Linear' is not an importable torch.nn.Module "
+                                            "subclass"),
         ({"module_name": ["head"]}, "module_name: expected a mapping, got list"),
     ],
 )

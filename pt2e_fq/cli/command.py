@@ -5,7 +5,7 @@
                      [--calib-data batches.pt] [--qat-steps N] [--static-batch] [--out model.pt2] [--onnx model.onnx]
                      [--target fake_quant|generic|xnnpack|x86_inductor] [--pte model.pte]
                      [--unsupported error|keep|float]
-    pt2e-fq report model.pt2
+    pt2e-fq report model.pt2 [--trusted-module MODULE ...]
 
 A bad argument is a one-line error naming it and what is allowed, with exit
 status 2, found before any work where it can be (the output paths too); any
@@ -36,6 +36,9 @@ _SHAPE = re.compile(r"^\d+(x\d+)*$")
 _DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 # torch.load(weights_only=True) refusing a class: "Unsupported global: GLOBAL mymod.Foo was not ..."
 _UNSUPPORTED_GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)")
+# Its other refusals: "Weights only load failed. ... Re-running `torch.load` with `weights_only` set to `False`
+# will likely succeed ... WeightsUnpickler error: <the reason>".
+_WEIGHTS_UNPICKLER_ERROR = re.compile(r"WeightsUnpickler error:\s*(\S[^\n]*)")
 
 
 class UsageError(Exception):
@@ -144,6 +147,9 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("path", metavar="FILE.pt2")
     report.add_argument("--example-input", metavar="SHAPES|FILE.pt",
                         help="inputs to run it on, as for quantize (default: the example inputs saved in the file)")
+    report.add_argument("--trusted-module", action="append", default=[], metavar="MODULE",
+                        help="a module to import if the file names a type of it (pt2e_fq.load's trusted_modules; "
+                             "repeatable); importing runs the module's code, so name only modules you trust")
     return parser
 
 
@@ -191,16 +197,36 @@ def _load_pt(flag: str, path: str):
 
     if not Path(path).is_file():
         raise UsageError(f"{flag}: no such file {path!r}")
+    if not _is_torch_file(path):
+        raise UsageError(f"{flag}: {path!r} is not a torch file (torch.save writes a zip archive; this file is not "
+                         "one, or is damaged); save the inputs with torch.save")
     try:
         return torch.load(path, weights_only=True)
-    except Exception as e:  # pickle errors, not a torch file, ...
+    except Exception as e:  # a class the safe loader refuses, a damaged archive, ...
         # torch's message suggests weights_only=False, which would run code from the file: name what it holds.
         unsupported = _UNSUPPORTED_GLOBAL.search(str(e))
         if unsupported:
             raise UsageError(f"{flag}: {path!r} holds a {unsupported[1]}; the file may hold only tensors, in tuples, "
                              "lists or dicts (it is read with torch.load(weights_only=True), which runs no code "
                              "from it)") from None
-        raise UsageError(f"{flag}: cannot load {path!r} with torch.load(weights_only=True): {_first_line(e)}") from None
+        refused = _WEIGHTS_UNPICKLER_ERROR.search(str(e))
+        reason = refused[1] if refused else _first_line(e)
+        raise UsageError(f"{flag}: cannot load {path!r} with torch.load(weights_only=True), which runs no code from "
+                         f"the file: {reason}") from None
+
+
+def _is_torch_file(path: str) -> bool:
+    """What torch.save writes: a zip archive, or in its legacy format
+    (_use_new_zipfile_serialization=False) a pickle of its magic number first."""
+    import pickle
+
+    import torch.serialization
+
+    if zipfile.is_zipfile(path):
+        return True
+    legacy = pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=torch.serialization.DEFAULT_PROTOCOL)
+    with open(path, "rb") as f:
+        return f.read(len(legacy)) == legacy
 
 
 def _model_args(flag: str, path: str, value) -> tuple:
@@ -444,7 +470,9 @@ def cmd_quantize(args) -> int:
         save(program, example, args.out, dynamic_shapes=batch)
         print(f"saved {args.out} ({Path(args.out).stat().st_size:,} bytes); load it with pt2e_fq.load")
         if args.target != "fake_quant":
-            print(f"{args.target} q/dq program against the fake-quant graph:\n{check_lowered(program, converted, example)}")
+            check = check_lowered(program, converted, example)
+            print(f"{args.target} q/dq program against the fake-quant graph:\n{check}")
+            _check_passed(check, f"the {args.target} q/dq program in {args.out}")
     if args.onnx:
         to_onnx(converted, example, args.onnx, dynamic_shapes=batch)
         check = check_onnx(args.onnx, converted, example)
@@ -454,8 +482,22 @@ def cmd_quantize(args) -> int:
         # ExecuTorch plans its memory for the example's shapes: the .pte takes that batch size.
         result = to_executorch(converted, example, args.pte, unsupported=args.unsupported)
         print(f"saved {result}")
-        print(f"ExecuTorch against the fake-quant graph:\n{check_lowered(args.pte, converted, example)}")
+        check = check_lowered(args.pte, converted, example)
+        print(f"ExecuTorch against the fake-quant graph:\n{check}")
+        _check_passed(check, f"the ExecuTorch program {args.pte}")
     return 0
+
+
+class CheckFailed(Exception):
+    """A written file computes other values than the fake-quant graph:
+    reported as one line, exit status 1."""
+
+
+def _check_passed(check, what: str) -> None:
+    problems = check.problems()
+    if problems:
+        raise CheckFailed(f"{what} differs from the fake-quant graph: {'; '.join(problems)} (the file is written; "
+                          "the table above has each output)")
 
 
 def cmd_report(args) -> int:
@@ -463,8 +505,12 @@ def cmd_report(args) -> int:
         raise UsageError(f"FILE.pt2: expected a .pt2 file name, got {args.path!r}")
     if not Path(args.path).is_file():
         raise UsageError(f"no such file {args.path!r}")
+    for module in args.trusted_module:
+        if not _DOTTED.match(module):
+            raise UsageError(f"--trusted-module: {module!r} is not a module name; give an exact dotted name "
+                             "such as mypackage.outputs")
     example = example_inputs(args.example_input) if args.example_input else None
-    from ..export import load
+    from ..export import UntrustedModuleError, load
     from ..report import report
 
     if not zipfile.is_zipfile(args.path):
@@ -473,7 +519,10 @@ def cmd_report(args) -> int:
     level = export_log.level
     export_log.setLevel(logging.CRITICAL)  # torch.export.load logs a traceback before it raises
     try:
-        program = load(args.path)
+        program = load(args.path, trusted_modules=args.trusted_module)
+    except UntrustedModuleError as e:
+        raise UsageError(f"{args.path!r} takes or returns a {e.type_name}, whose module {e.module!r} is not "
+                         f"trusted, so it was not imported; if you trust it, add --trusted-module {e.module}") from None
     except Exception as e:  # not a torch.export archive, or from another torch
         raise UsageError(f"cannot load {args.path!r} as a torch.export program: "
                          f"{type(e).__name__}: {_first_line(e)}") from None
@@ -497,7 +546,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except UsageError as e:
         print(f"{PROG} {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except WriteError as e:  # its message names the file and the reason; the type adds nothing
+    except (WriteError, CheckFailed) as e:  # its message names the file and the reason; the type adds nothing
         print(f"{PROG} {args.command}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

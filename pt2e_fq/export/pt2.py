@@ -4,19 +4,23 @@ A saved program holds one torch.ops.pt2e_fq node per quantization point with
 its qparams as buffers. Loading it needs the pt2e_fq operators registered,
 which `import pt2e_fq` does; `load` is torch.export.load after that import
 and after importing the modules that register the program's input and
-output types (a transformers ModelOutput, say) as pytree nodes.
+output types (a transformers ModelOutput, say) as pytree nodes: only
+modules on TRUSTED_MODULES or named by the caller, never one because the
+file names it (importing a module runs its code).
 The file is written atomically (files.py): a failed write leaves any file
 already at the path as it was.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import io
 import json
 import os
 import zipfile
+from collections.abc import Iterable
 from typing import Any, Iterator, Optional, Union
 
 import torch
@@ -25,6 +29,16 @@ import torch.utils._pytree as pytree
 from ..files import atomic_write, check_writable
 from ..graph import check_finite_qparams
 from .program import exported_program
+
+# The modules `load` imports when a file names a pytree type of theirs that
+# is not registered yet: exact names, each the home of transformers
+# ModelOutput types (a ModelOutput subclass registers itself as a pytree
+# node, under "<its module>.<its name>", when its module is imported).
+TRUSTED_MODULES = frozenset({
+    "transformers.modeling_outputs",
+    "transformers.models.bert.modeling_bert",
+    "transformers.models.gpt2.modeling_gpt2",
+})
 
 
 def save(
@@ -47,19 +61,70 @@ def save(
         # Serialized in memory first: torch's C++ archive writer aborts the
         # whole process (SIGABRT) when a write to disk fails, e.g. on a full disk.
         buffer = io.BytesIO()
-        torch.export.save(ep, buffer)
+        with _compact_tensors(ep):
+            torch.export.save(ep, buffer)
         temporary.write_bytes(buffer.getvalue())
     return ep
 
 
-def load(path: Union[str, os.PathLike]) -> torch.export.ExportedProgram:
+def _compact(value):
+    """A tensor whose storage holds more than its own elements (a slice, a
+    torch.split piece of a calibration batch) as a copy holding only them;
+    anything else as it is."""
+    if not isinstance(value, torch.Tensor) or value.untyped_storage().nbytes() <= value.numel() * value.element_size():
+        return value
+    copy = value.detach().clone()  # a dense piece keeps its strides, a strided slice comes out contiguous
+    return torch.nn.Parameter(copy, requires_grad=value.requires_grad) if isinstance(value, torch.nn.Parameter) else copy
+
+
+@contextlib.contextmanager
+def _compact_tensors(ep: torch.export.ExportedProgram) -> Iterator[None]:
+    """torch.export.save writes the whole storage behind each tensor it
+    saves: inside this block, the program's example inputs, parameters,
+    buffers and constants are compact copies where they are views into
+    larger storages. The program is given back as it was."""
+    kept = ep._example_inputs, ep._state_dict, ep._constants
+    try:
+        if ep._example_inputs is not None:
+            ep._example_inputs = pytree.tree_map(_compact, ep._example_inputs)
+        ep._state_dict = {name: _compact(t) for name, t in ep._state_dict.items()}
+        ep._constants = {name: _compact(t) for name, t in ep._constants.items()}
+        yield
+    finally:
+        ep._example_inputs, ep._state_dict, ep._constants = kept
+
+
+def load(path: Union[str, os.PathLike], *, trusted_modules: Iterable[str] = ()) -> torch.export.ExportedProgram:
     """Loads a `.pt2` file saved by `save` (or torch.export.save); call
-    `.module()` on the result to run it. The modules that define the
-    program's input and output types (a transformers ModelOutput) are
-    imported by name first; installed modules only, nothing from the file
-    is executed."""
-    _register_archive_types(path)
+    `.module()` on the result to run it.
+
+    The file names the pytree types of the program's inputs and outputs (a
+    transformers ModelOutput, say), which must be registered before
+    torch.export.load. A type not registered yet is registered by importing
+    its module, only where that module is on TRUSTED_MODULES (exact names:
+    transformers.modeling_outputs and the transformers model modules
+    pt2e_fq supports) or in `trusted_modules` (exact module names the
+    caller trusts, e.g. ["mypackage.outputs"]); any other is an
+    UntrustedModuleError naming the type and the file, before anything is
+    imported or loaded. So nothing the file names is executed unless you
+    said so; importing the module yourself before load also does."""
+    trusted = _trusted_modules(trusted_modules)
+    _register_archive_types(path, trusted)
     return torch.export.load(path)
+
+
+class UntrustedModuleError(ImportError):
+    """A .pt2 file names a pytree type whose module is not trusted: neither
+    on TRUSTED_MODULES nor in load's `trusted_modules`, nor imported yet.
+    `type_name` is the name in the file, `module` its module part."""
+
+    def __init__(self, path, type_name: str, module: str):
+        self.path, self.type_name, self.module = os.fspath(path), type_name, module
+        super().__init__(
+            f"load: {self.path!r} takes or returns a {type_name}, whose module {module!r} is not trusted, so it "
+            f"was not imported (importing runs its code); if you trust it, pass "
+            f"load(path, trusted_modules=[{module!r}]) or import it before load"
+        )
 
 
 # -- pytree types of a program's inputs and outputs -----------------------------------
@@ -115,43 +180,77 @@ def _importable(module: str) -> bool:
         return False
 
 
-def _archive_type_names(path) -> set[str]:
+def _archive_type_names(path) -> dict[str, str]:
     """The serialized pytree type names in a .pt2 archive's module call
-    graphs: the "type" of every node of each "in_spec" / "out_spec" (JSON
-    strings in the archive's models/*.json). A file that is not such an
-    archive names none (torch.export.load then says what is wrong)."""
+    graphs, each with where it is first found ("<member>: <field>"): the
+    "type" of every node of each "in_spec" / "out_spec" (JSON strings in the
+    archive's models/*.json). A file that is not such an archive names none
+    (torch.export.load then says what is wrong)."""
     if not zipfile.is_zipfile(path):
-        return set()
-    names: set[str] = set()
+        return {}
+    names: dict[str, str] = {}
 
-    def walk(value):
+    def walk(value, member):
         if isinstance(value, dict):
             for key, item in value.items():
                 if key in ("in_spec", "out_spec") and isinstance(item, str):
-                    walk_spec(json.loads(item)[1])  # [protocol version, root node]
+                    walk_spec(json.loads(item)[1], f"{member}: {key}")  # [protocol version, root node]
                 else:
-                    walk(item)
+                    walk(item, member)
         elif isinstance(value, list):
             for item in value:
-                walk(item)
+                walk(item, member)
 
-    def walk_spec(node):
+    def walk_spec(node, where):
         if node.get("type"):
-            names.add(node["type"])
+            names.setdefault(node["type"], where)
         for child in node.get("children_spec", ()):
-            walk_spec(child)
+            walk_spec(child, where)
 
     with zipfile.ZipFile(path) as archive:
         for member in archive.namelist():
             if "/models/" in member and member.endswith(".json"):
-                walk(json.loads(archive.read(member)))
+                try:
+                    walk(json.loads(archive.read(member)), member)
+                except (ValueError, TypeError, AttributeError, IndexError) as e:  # bad JSON, or a spec of another shape
+                    raise ValueError(f"load: {os.fspath(path)!r}: {member} is not a torch.export model description "
+                                     f"({type(e).__name__}: {e})") from None
     return names
 
 
-def _register_archive_types(path) -> None:
-    for name in sorted(_archive_type_names(path)):
-        if name in pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE:
-            continue
+def _is_dotted(name: str) -> bool:
+    return all(part.isidentifier() for part in name.split("."))
+
+
+def _trusted_modules(names: Iterable[str]) -> frozenset[str]:
+    """TRUSTED_MODULES and the caller's exact module names, each checked."""
+    if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
+        raise TypeError(f"load: trusted_modules must be a list of module names, got {type(names).__name__} {names!r}")
+    names = list(names)
+    for name in names:
+        if not (isinstance(name, str) and _is_dotted(name)):
+            raise ValueError(f"load: trusted_modules: {name!r} is not a module name; give exact dotted names such as "
+                             "'mypackage.outputs'")
+    return TRUSTED_MODULES | frozenset(names)
+
+
+def _register_archive_types(path, trusted: frozenset[str]) -> None:
+    """Imports the trusted module of each type the file names that is not
+    registered yet; an UntrustedModuleError, before any import, for a
+    module that is not trusted."""
+    names = _archive_type_names(path)
+    missing = sorted(n for n in names if n not in pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE)
+    for name in missing:
+        module = name.rpartition(".")[0]
+        if not (module and _is_dotted(name)):
+            raise ValueError(
+                f"load: {os.fspath(path)!r}: {names[name]} names the pytree type {name!r}, which is neither "
+                "registered nor a dotted name module.Type; the file is damaged or was not written by "
+                "torch.export.save"
+            )
+        if module not in trusted:
+            raise UntrustedModuleError(path, name, module)
+    for name in missing:
         module = name.rpartition(".")[0]
         try:
             importlib.import_module(module)

@@ -143,9 +143,36 @@ def _check_ranges_kept(program: torch.export.ExportedProgram, edge: torch.export
 
 def run_pte(path: Union[str, os.PathLike], inputs) -> list[torch.Tensor]:
     """The outputs of a `.pte` file's forward on `inputs`, run in
-    ExecuTorch's Python runtime."""
+    ExecuTorch's Python runtime. A missing file is a FileNotFoundError, a
+    file that is not an ExecuTorch program (or is damaged) a ValueError,
+    each naming the path."""
     require_executorch()
     from executorch.runtime import Runtime
 
-    method = Runtime.get().load_program(os.fspath(path)).load_method("forward")
-    return list(method.execute(list(as_args(inputs))))
+    check_pte_file("run_pte", path)
+    try:
+        program = Runtime.get().load_program(os.fspath(path))
+    except RuntimeError as e:  # ExecuTorch's own words are an error code: "Failed to load program, error: 0x:23"
+        raise ValueError(f"run_pte: {os.fspath(path)!r} is not an ExecuTorch program, or is damaged "
+                         f"(ExecuTorch: {e})") from None
+    return list(program.load_method("forward").execute(list(as_args(inputs))))
+
+
+# A .pte file is a flatbuffer whose file identifier, bytes 4 to 8, is "ET" and
+# a two-digit schema version ("ET12" for executorch 1.5).
+_PTE_IDENTIFIER = slice(4, 8)
+
+
+def check_pte_file(where: str, path: Union[str, os.PathLike]) -> None:
+    """A FileNotFoundError for a missing file (IsADirectoryError for a
+    folder), a ValueError for one without ExecuTorch's identifier, each
+    naming `where` and the path."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{where}: {os.fspath(path)!r} is a folder; give a .pte file")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{where}: no such file {os.fspath(path)!r}")
+    with open(path, "rb") as f:
+        identifier = f.read(8)[_PTE_IDENTIFIER]
+    if not (identifier[:2] == b"ET" and identifier[2:].isdigit()):
+        raise ValueError(f"{where}: {os.fspath(path)!r} is not an ExecuTorch program (a .pte file carries the "
+                         f"identifier ET<version> at byte 4; this one has {identifier!r})")
