@@ -2,7 +2,8 @@
 
 The presets leave a model's outputs float (no point produces the logits),
 so a check of quantized outputs only passed anything. Float outputs are
-judged by their SQNR against the converted model (qdq_check.MIN_FLOAT_SQNR_DB,
+judged by their SQNR against the converted model (lowering/check.py
+MIN_FLOAT_SQNR_DB,
 30 dB). On the demo CNN (the digits CNN, w8a8) and a transformer block
 (w8a8): the correct lowering passes; a lowered program with a q/dq scale or
 zero point off, a weight changed, another model's weights, or a function
@@ -21,7 +22,8 @@ from quantizer_models import single_thread  # noqa: F401 (an autouse fixture: on
 
 from pt2e_fq.cli import digits, pipeline
 from benchmarks.models import EncoderBlock
-from pt2e_fq.export import check_lowered, qdq_check, to_qdq
+from pt2e_fq.export import check_lowered, to_qdq
+from pt2e_fq.export.lowering import check as lowered_check
 
 qd = torch.ops.quantized_decomposed
 
@@ -108,7 +110,7 @@ def test_a_wrong_scale_zero_point_or_weight_fails(lowered, mutation):
     assert not check.ok, f"{name}, {mutation}:\n{check}"
     (problem,) = check.problems()
     assert problem.startswith("output 0 has an SQNR of ") and problem.endswith(" dB against ours (at least 30 dB)")
-    assert check.outputs[0].sqnr_db < qdq_check.MIN_FLOAT_SQNR_DB - 3, str(check)  # not a near miss
+    assert check.outputs[0].sqnr_db < lowered_check.MIN_FLOAT_SQNR_DB - 3, str(check)  # not a near miss
 
 
 def test_another_model_or_zeros_fail(lowered):
