@@ -3,8 +3,7 @@
 The presets leave a model's outputs float (no point produces the logits),
 so a check of quantized outputs only passed anything. Float outputs are
 judged by their SQNR against the converted model (lowering/check.py
-MIN_FLOAT_SQNR_DB,
-30 dB). On the demo CNN (the digits CNN, w8a8) and a transformer block
+MIN_FLOAT_SQNR_DB, 30 dB). On the demo CNN (the digits CNN, w8a8) and a transformer block
 (w8a8): the correct lowering passes; a lowered program with a q/dq scale or
 zero point off, a weight changed, another model's weights, or a function
 returning zeros fails. The command exits 1 with one line when the check
