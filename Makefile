@@ -28,8 +28,11 @@ $(STAMP): $(SOURCES)
 	$(PY) -m pip install -q --no-build-isolation -e ".[$(EXTRAS)]"
 	touch $@
 
+# The whole suite, on every core (pytest-xdist). Tests go to whichever
+# worker is free, but those of one xdist_group (modules whose fixtures build
+# many models) stay on one worker, which builds them once.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadgroup
 
 # Every benchmark script, one after the other (each prints its tables).
 bench: $(STAMP)

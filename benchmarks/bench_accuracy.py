@@ -1,6 +1,6 @@
 """Accuracy of every preset on real architectures against torchao's stock
-quantizers, the time of each stage of the flow, and QAT's costs and drift
-(issues 17 and 21), on the model zoo (benchmarks/zoo.py: torchvision,
+quantizers, the time of each stage of the flow, and QAT's costs and drift,
+on the model zoo (benchmarks/zoo.py: torchvision,
 timm and Hugging Face classes at toy sizes, random init).
 
 PTQ table, one row per model and preset: our quantizer through the
@@ -15,7 +15,7 @@ of its weight width with its standard error over the held-out batches
 (accuracy.sqnr_gap), on that quantizer's coverage (X86InductorQuantizer
 leaves GPT-2's addmm projections float: ours is measured with them float
 too, as the model suite does), "below" past two standard errors, and marks
-an fp8 preset below w8a8 (issue 17.1's goal). Then the seconds of each stage:
+an fp8 preset below w8a8 (the goal: fp8 at least as good as w8a8). Then the seconds of each stage:
 torch.export, prepare_pt2e, calibration, pipeline.convert, torchao's
 convert_pt2e on a copy of the same prepared model (what pipeline.convert
 replaces), pt2e_fq.save, to_onnx and check_onnx (E2M1 formats have no ONNX
@@ -23,12 +23,12 @@ Runtime CPU kernel: to_onnx refuses them).
 
 QAT table (w8a8), one row per model: the median training step of the QAT
 model over the float model's (same batch, MSE loss, SGD; interleaved),
-inference of the converted model over the float model's (issue 21.6), the
+inference of the converted model over the float model's, the
 seconds of pipeline.convert and of torchao's convert_pt2e on a copy (a QAT
 graph keeps its batch norms: convert_pt2e's conv-bn search), and after
 `--qat-steps` steps of distillation (Adam) and freeze_qat: the SQNR
 of the `.pt2` saved with batch norms folded and loaded back against the
-converted model it was saved from (issue 17.6: inf = bit for bit), of the
+converted model it was saved from (inf = bit for bit), of the
 converted model against float, and whether two runs of the converted model
 are equal.
 

@@ -1,4 +1,4 @@
-"""Per-call overhead of the fused op (issue 15): against ATen from 128 to 4M elements, and in a QAT step.
+"""Per-call overhead of the fused op: against ATen from 128 to 4M elements, and in a QAT step.
 
 One run, every ratio measured side by side (the implementations compared take
 turns within every repeat, so load from other processes hits them alike):

@@ -1,8 +1,8 @@
-"""The accuracy comparison of the model suite (tests/test_model_suite.py)
+"""The accuracy comparison of the model suite (tests/flow/test_model_suite.py)
 and of benchmarks/bench_accuracy.py: a model's outputs over held-out
 batches, their SQNR against the float model, and torchao's stock PT2E
 quantizers run on the same model with the same calibration data, the
-reference our presets are measured against (issue 17.1).
+reference our presets are measured against.
 
     reference = outputs(model, held_out)
     stock = stock_quantize(model, example, calibration, "X86InductorQuantizer")

@@ -1,5 +1,5 @@
 """Real architectures at toy sizes, random init, nothing downloaded: the
-model suite of the tests (tests/test_model_suite.py) and of the accuracy
+model suite of the tests (tests/flow/test_model_suite.py) and of the accuracy
 benchmark (benchmarks/bench_accuracy.py).
 
 | name | built from | input |

@@ -13,6 +13,7 @@ they cannot run it is skipped with the reason (`pytest -rs` prints it), and
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -55,6 +56,11 @@ def cuda_kernels_missing() -> Optional[str]:
 
 
 def pytest_configure(config):
+    # Under pytest-xdist (make test: -n auto) each worker gets its share of
+    # the cores, so that N workers do not each start a thread per core.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     config.addinivalue_line(
         "markers",
         "requires_cuda_kernels: runs pt2e_fq's CUDA kernels; skipped, with the reason, where there is "

@@ -3,9 +3,9 @@ implementations (private to pt2e_fq.ops).
 
 The C++ kernels check every argument they read, so on the success path a
 wrapper only calls its op (a Python check costs more than the op on a small
-tensor). When the op raises, the Python check runs (`_call`) and, where it
-finds the argument at fault, raises its message, which names the argument,
-what was wrong and what is allowed. Two things the op's schema lets through
+tensor: benchmarks/bench_overhead.py). When the op raises, the Python check
+runs (`_call`) and, where it finds the argument at fault, raises its
+message, which names the argument, what was wrong and what is allowed. Two things the op's schema lets through
 are checked first: a bool or a 0-dim tensor where an int belongs
 (torch.ops would take True as 1).
 

@@ -1,5 +1,5 @@
 // Runs the CUDA kernels' launchers (kernels.h) in the simulation harness on
-// cases written by tests/test_cuda_sim.py: one directory per case, holding
+// cases written by tests/cuda_sim/test_cuda_sim.py: one directory per case, holding
 // case.txt (key=value lines) and the inputs as raw little-endian arrays; the
 // outputs are written beside them. Every buffer is its own allocation of
 // exactly the bytes the binding allocates, so AddressSanitizer stops an

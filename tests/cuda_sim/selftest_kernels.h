@@ -1,6 +1,6 @@
 // Kernels that show the harness at work: one correct (its collectives'
 // results are checked), and one for each kind of undefined behaviour the
-// harness must stop, which tests/test_cuda_sim.py expects to fail with the
+// harness must stop, which tests/cuda_sim/test_cuda_sim.py expects to fail with the
 // harness's message.
 #pragma once
 

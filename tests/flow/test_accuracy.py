@@ -1,0 +1,68 @@
+"""benchmarks/stock_flows.py, the model suite's yardsticks: the stock flows at
+4-bit weights (what a 4-bit preset is measured against) and sqnr_gap's
+standard error, against values counted or computed by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from benchmarks.stock_flows import STOCK_QUANTIZERS, sqnr_gap, stock_quantize, stock_weight_bits
+from quantizers import presets
+from tests.models.mlp import ReluMLP
+
+
+def _weight_codes(converted: torch.fx.GraphModule) -> list[tuple[int, int]]:
+    """Per quantized weight, the smallest and largest integer code of its
+    quantize_per_channel node (the weight, folded to int8 by convert_pt2e, is
+    a get_attr read by a dequantize_per_channel node)."""
+    found = []
+    for node in converted.graph.nodes:
+        if node.op == "call_function" and "dequantize_per_channel" in str(node.target):
+            source = node.args[0]
+            if source.op == "get_attr":
+                codes = getattr(converted, source.target)
+                found.append((int(codes.min()), int(codes.max())))
+    return found
+
+
+@pytest.mark.parametrize("name", STOCK_QUANTIZERS)
+@pytest.mark.parametrize("weight_bits, allowed", [(8, (-128, 127)), (4, (-8, 7))])
+def test_stock_flows_store_weight_codes_of_the_width_asked_for(name, weight_bits, allowed):
+    torch.manual_seed(0)
+    model, batches = ReluMLP(64, 32, 8).eval(), [(torch.randn(4, 64),) for _ in range(2)]
+    converted = stock_quantize(model, batches[0], batches, name, weight_bits)
+    codes = _weight_codes(converted)
+    assert len(codes) == 2, f"{name}: expected both linears' weights quantized per channel, got {codes}"
+    for low, high in codes:
+        assert allowed[0] <= low and high <= allowed[1], f"{name} int{weight_bits}: codes {low}..{high}"
+        # A random weight's extreme rows reach the range's ends (within the narrow ranges' one code).
+        assert high >= allowed[1] - 1 and low <= allowed[0] + 1, f"{name} int{weight_bits}: codes {low}..{high}"
+
+
+def test_a_preset_is_measured_against_stock_weights_of_its_own_width():
+    assert [stock_weight_bits(presets.get_preset(p)) for p in ("w8a8", "w4a8", "w4a16", "w8a16")] == [8, 4, 4, 8]
+    with pytest.raises(ValueError, match="FP8_E4M3|fp8|e4m3"):
+        stock_weight_bits(presets.get_preset("fp8"))
+
+
+def test_stock_quantize_names_the_weight_widths_it_has():
+    with pytest.raises(ValueError, match=r"weight_bits must be one of \(8, 4\), got 6"):
+        stock_quantize(ReluMLP(64, 32, 8), (torch.randn(2, 64),), [], "XNNPACKQuantizer", 6)
+
+
+def test_sqnr_gap_and_its_standard_error_by_hand():
+    # Two batches of one element each; reference 1, ours off by 0.1 and 0.2, theirs by 0.2 and 0.2.
+    reference = torch.tensor([1.0, 1.0])
+    ours, theirs = torch.tensor([1.1, 1.2]), torch.tensor([1.2, 1.2])
+    gap, error = sqnr_gap(reference, ours, theirs, 2)
+    # SQNR over both: 10 log10(2 / 0.05) against 10 log10(2 / 0.08).
+    assert gap == pytest.approx(10 * math.log10(0.08 / 0.05), abs=1e-4)
+    per_batch = [10 * math.log10(0.04 / 0.01), 0.0]  # noise theirs / ours per batch
+    mean = sum(per_batch) / 2
+    sd = math.sqrt(sum((d - mean) ** 2 for d in per_batch) / 1)
+    assert error == pytest.approx(sd / math.sqrt(2), abs=1e-4)
+    with pytest.raises(ValueError, match="2 batches or more, got 1"):
+        sqnr_gap(reference, ours, theirs, 1)
