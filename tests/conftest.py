@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 
 import pt2e_fq  # noqa: F401  (registers torch.ops.pt2e_fq)
 from pt2e_fq import ops, reference
-from pt2e_fq.plugins.torchvision import allow_torchvision_import
 from pt2e_fq.ops.blocks import reduced_shape
+from pt2e_fq.plugins.torchvision import allow_torchvision_import
 
 # The models extra installs torchvision, whose PyPI wheel cannot load its C ops
 # beside a CPU torch; transformers' modeling_utils imports it wherever it is
