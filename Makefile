@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 VENV_FLAGS ?=
-EXTRAS ?= dev,demo,onnx,executorch,models
+EXTRAS ?= dev,demo,onnx,executorch,models,trained
 DEMO_OUT ?= demo-out
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pt2e_fq-installed

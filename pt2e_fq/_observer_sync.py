@@ -6,7 +6,7 @@ fake_quantize need not import the helpers, which import it."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,33 @@ def enabled() -> bool:
 def configured_group() -> "dist.ProcessGroup":
     """The group given to configure, else the world (torch.distributed must be initialised)."""
     return _group if _group is not None else dist.group.WORLD
+
+
+# The most dimensions a tensor has (torch's limit): every rank's shape goes
+# into one fixed-size header, so the gather itself never disagrees on sizes.
+_MAX_DIMS = 64
+
+
+def check_shapes_agree(shape: Sequence[int], device: torch.device, group: "dist.ProcessGroup",
+                       who: Callable[[], str]) -> None:
+    """Raises ValueError on every rank of `group` unless every rank gives the
+    same `shape` (a batch range's, before all_reduce_range: a collective of
+    different sizes aborts the process inside gloo, or hangs). One
+    all_gather of a fixed-size header on `device` (the data's: the one the
+    group's backend takes); `who()` names the point in the message."""
+    header = torch.zeros(_MAX_DIMS + 1, dtype=torch.int64)
+    header[0] = len(shape)
+    header[1:len(shape) + 1] = torch.tensor(list(shape), dtype=torch.int64)
+    header = header.to(device)
+    gathered = [torch.empty_like(header) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, header, group=group)
+    shapes = [tuple(h[1:int(h[0]) + 1].tolist()) for h in gathered]
+    if len(set(shapes)) > 1:
+        ranks = ", ".join(f"rank {r} {s}" for r, s in enumerate(shapes))
+        raise ValueError(
+            f"{who()}: the ranks' batches give ranges of different shapes ({ranks}, group ranks); every rank "
+            "must give this point inputs whose qparams have one shape"
+        )
 
 
 def all_reduce_range(lo: torch.Tensor, hi: torch.Tensor, group: "dist.ProcessGroup") -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,8 +5,11 @@ point whose observer keeps a running range (MinMaxObserver,
 MovingAverageMinMaxObserver, HistogramObserver) all-reduces the per-block
 min and max of each batch over the process group before it updates that
 range, so N ranks calibrate exactly as one process on all their data, and
-every rank holds the same range and qparams at every step. One collective
-per point per observation: an all-reduce MIN of cat([lo, -hi]);
+every rank holds the same range and qparams at every step. Two collectives
+per point per observation: an all-gather of the batch range's shape (ranks
+whose inputs give ranges of different shapes then all raise, naming the
+point and the shapes, instead of aborting inside the all-reduce), then an
+all-reduce MIN of cat([lo, -hi]);
 HistogramObserver adds one, an all-reduce SUM of the batch's bin counts
 (binned over the reduced range, so the bins are the same on every rank).
 
@@ -136,7 +139,10 @@ def ddp(model: torch.nn.Module, **ddp_kwargs) -> torch.nn.parallel.DistributedDa
     construction would otherwise hide ranks that calibrated alone). The DDP arguments pass through as given, `broadcast_buffers`
     included: with synchronised observers every rank already holds rank 0's
     ranges, so broadcasting them is redundant (False saves one broadcast per
-    forward; batch norm statistics are then per rank, as without QAT)."""
+    forward; batch norm statistics are then per rank, as without QAT).
+    A model with learnable points must have seen data first (their
+    Parameters are sized by the first observation, and DDP fixes its
+    gradient buckets at construction)."""
     group = sync_group()
     if group is None:
         why = ("torch.distributed is not initialised" if not (dist.is_available() and dist.is_initialized())
@@ -145,6 +151,16 @@ def ddp(model: torch.nn.Module, **ddp_kwargs) -> torch.nn.parallel.DistributedDa
         raise RuntimeError(
             f"ddp: the observers would not synchronise ({why}); wrap with DistributedDataParallel "
             "directly if each rank should keep its own ranges"
+        )
+    unsized = [path for path, m in _points(model)
+               if any(p is not None and p.numel() == 0 for p in m._parameters.values())]
+    if unsized:
+        # DDP sizes its gradient buckets at construction: a learnable point's
+        # Parameter, still empty, would get a bucket slot of 0 elements.
+        raise RuntimeError(
+            f"ddp: {len(unsized)} learnable fake-quant point(s) have no qparams yet ({', '.join(unsized[:3])}"
+            f"{', ...' if len(unsized) > 3 else ''}): calibrate first (one forward of the prepared model on "
+            "every rank), then wrap it"
         )
     check_ranks_agree(model, group, synced_only=True)
     ddp_kwargs.setdefault("process_group", group)

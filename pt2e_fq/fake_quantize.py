@@ -13,6 +13,7 @@ switch buffers dropped, so a re-exported program sees only the qparams.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Optional
 
 import torch
@@ -311,10 +312,19 @@ class FakeQuantize(FakeQuantizeBase):
         return _observer_sync.sync_group() if self._observer.keeps_range else None
 
     def _observe(self, x: torch.Tensor, sync_group=None) -> None:
-        if x.numel() > 0:  # an empty x (a rank joining the others' reduction) has no shape to check
-            self._check_stored_shape(x.shape)
         keeps_range = self._observer.keeps_range
         running = (self.min_val, self.max_val) if keeps_range and self.min_val.numel() > 0 else None
+        if sync_group is not None and not torch.compiler.is_compiling():
+            # Before anything a rank could raise alone: the ranks' batch
+            # ranges must have one shape for the all-reduce (an empty x
+            # joins with the running range's). Eager only: reading the
+            # gathered shapes breaks a torch.compile graph at every point,
+            # and compiling the pieces costs minutes.
+            shape = (running[0].shape if x.numel() == 0 and running is not None
+                     else reduced_shape(x.shape, self.qspec.range_granularity.block_size(x.shape)))
+            observer_sync.check_shapes_agree(shape, x.device, sync_group, self._describe)
+        if x.numel() > 0:  # an empty x (a rank joining the others' reduction) has no shape to check
+            self._check_stored_shape(x.shape)
         (lo, hi), qparams = self._range_and_qparams(x, running, sync_group)
         if keeps_range:
             self._store("min_val", lo)
@@ -322,6 +332,21 @@ class FakeQuantize(FakeQuantizeBase):
         for name, value in qparams.items():
             self._store(name, value)
         self.nonfinite.add_(torch.isfinite(x).logical_not().sum())
+
+    def _describe(self) -> str:
+        """The point for an error message raised in forward: its QSpec and
+        the name the calling module holds it under (the prepared model's
+        `activation_post_process_3`), found by walking up the Python stack
+        to the first module that holds it as a child. Error path only."""
+        frame = sys._getframe(1)
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, torch.nn.Module) and owner is not self:
+                name = next((n for n, m in owner.named_children() if m is self), None)
+                if name is not None:
+                    return f"FakeQuantize({self.qspec}) '{name}'"
+            frame = frame.f_back
+        return f"FakeQuantize({self.qspec})"
 
     def _fuses_observe(self, sync_group) -> bool:
         """Whether this step (observer on) runs as one fused observe-and-

@@ -23,7 +23,7 @@ from typing import Callable, ClassVar, Optional, Sequence
 
 import torch
 
-from .ops.blocks import block_min_max, expand_blocks, reduce_blocks
+from .ops.blocks import block_min_max, reduce_blocks, reduced_shape
 
 Range = tuple[torch.Tensor, torch.Tensor]
 # (lo, hi) -> x fake-quantized with the qparams of that range.
@@ -188,6 +188,31 @@ class MSEObserver(Observer):
         return best_lo, best_hi
 
 
+# HistogramObserver's work per pass, in values: every temporary it makes
+# is a few times this many bytes, whatever the number of blocks. Binning
+# makes about 40 bytes of temporaries per value, the search about 12.
+_BIN_CHUNK = 1 << 19
+_SEARCH_CHUNK = 1 << 21
+# The most bins: the histogram is bins float64 per block, 512 KiB at this.
+MAX_HISTOGRAM_BINS = 65536
+
+
+def _blocks_as_rows(x: torch.Tensor, block_size: Sequence[int]) -> torch.Tensor:
+    """x as (blocks, block elements), blocks in the reduced shape's order; a
+    ragged last block is padded with NaN, which the histogram ignores."""
+    shape = tuple(x.shape)
+    block = [b if b <= s else s for s, b in zip(shape, block_size)]
+    red = reduced_shape(shape, block)
+    pad = []
+    for s, b, r in reversed(list(zip(shape, block, red))):
+        pad += [0, r * b - s]  # F.pad lists the last dimension first
+    if any(p != 0 for p in pad):
+        x = torch.nn.functional.pad(x, pad, value=math.nan)
+    n = len(shape)
+    blocked = x.reshape([v for r, b in zip(red, block) for v in (r, b)])
+    return blocked.permute(*range(0, 2 * n, 2), *range(1, 2 * n, 2)).reshape(math.prod(red), -1)
+
+
 @dataclass(frozen=True)
 class HistogramObserver(RangeObserver):
     """Calibration of static activations that clips outliers: the running
@@ -204,7 +229,15 @@ class HistogramObserver(RangeObserver):
     Ties keep the earlier candidate, the wider range first. The search
     fake-quantizes about ((num_candidates / 3)**2 + 49) * bins *
     samples_per_bin values per block and batch: meant for per-tensor
-    activations in calibration (QAT steps keep a MinMax range: presets.py)."""
+    activations in calibration (QAT steps keep a MinMax range: presets.py).
+
+    Bin positions and sample points are computed in float64, so a range
+    as wide as fp32's (values near +-3e38) bins as any other, and a block
+    that has seen no finite value keeps an empty histogram. The work goes
+    in passes of a bounded number of values (_BIN_CHUNK, _SEARCH_CHUNK), so the
+    memory beside the histogram (bins float64 per block) and a copy of x
+    stays the same whatever the number of blocks. `bins` is at most
+    MAX_HISTOGRAM_BINS."""
 
     bins: int = 2048
     num_candidates: int = 24
@@ -216,16 +249,21 @@ class HistogramObserver(RangeObserver):
     def __post_init__(self):
         for name in ("bins", "num_candidates", "samples_per_bin"):
             _check_count(self, name)
+        if self.bins > MAX_HISTOGRAM_BINS:
+            raise ValueError(f"HistogramObserver: bins must be <= {MAX_HISTOGRAM_BINS} (the histogram is bins "
+                             f"float64 per block), got {self.bins}")
         _check_fraction(self, "min_fraction")
 
     update = MinMaxObserver.update  # the running range is MinMax's
 
     def _bin_of(self, values: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-        """The bin of each value in [lo, hi] (broadcast), clamped to the ends;
-        every value of an empty or one-point range is in bin 0."""
+        """The bin of each value in [lo, hi] (broadcast), in float64, clamped
+        to the ends; every value of an empty or one-point range, and every
+        non-finite position, is in bin 0 (the caller counts such values 0)."""
+        lo, hi = lo.double(), hi.double()
         width = hi - lo
-        pos = (values - lo) / torch.where(width > 0, width, 1.0) * self.bins
-        return pos.floor().clamp(0, self.bins - 1).long()
+        pos = (values.double() - lo) / torch.where(width > 0, width, 1.0) * self.bins
+        return pos.nan_to_num_(0.0).floor_().clamp_(0, self.bins - 1).long()
 
     def accumulate(self, x: torch.Tensor, block_size: Sequence[int], old: Optional[Range], new: Range,
                    histogram: Optional[torch.Tensor], reduce_sum: Optional[Callable] = None) -> torch.Tensor:
@@ -234,26 +272,31 @@ class HistogramObserver(RangeObserver):
         first batch) re-binned, plus x's finite values (counted over every
         rank with `reduce_sum`, an all-reduce SUM: the ranges are already
         the same on every rank)."""
-        lo, hi = new
+        lo, hi = new[0].reshape(-1), new[1].reshape(-1)
         blocks = lo.numel()
-        xf = x.float()
-        finite = torch.isfinite(xf)
-        lo_x = expand_blocks(lo, x.shape, block_size)
-        ids = expand_blocks(torch.arange(blocks, device=x.device).reshape(lo.shape), x.shape, block_size)
-        # A non-finite value counts 0 (its bin would be NaN): it is binned at lo.
-        index = ids * self.bins + self._bin_of(torch.where(finite, xf, lo_x), lo_x,
-                                               expand_blocks(hi, x.shape, block_size))
-        counts = torch.zeros(blocks * self.bins, dtype=torch.float64, device=x.device)
-        counts.scatter_add_(0, index.reshape(-1), finite.reshape(-1).double())
+        counts = torch.zeros(blocks * self.bins, dtype=torch.float64, device=lo.device)
+        if x.numel() > 0:
+            rows = _blocks_as_rows(x, block_size)
+            flat, per_row = rows.reshape(-1), rows.shape[1]
+            for start in range(0, flat.numel(), _BIN_CHUNK):
+                v = flat[start:start + _BIN_CHUNK]
+                row = torch.arange(start, start + v.numel(), device=v.device) // per_row
+                index = row * self.bins + self._bin_of(v, lo[row], hi[row])
+                counts.scatter_add_(0, index, torch.isfinite(v).double())
         if reduce_sum is not None:
             counts = reduce_sum(counts)
-        counts = counts.view(*lo.shape, self.bins)
-        if histogram is None or histogram.numel() == 0:
-            return counts
-        olo, ohi = old[0].unsqueeze(-1), old[1].unsqueeze(-1)
-        centres = olo + (torch.arange(self.bins, device=x.device) + 0.5) * ((ohi - olo) / self.bins)
-        moved = self._bin_of(centres, lo.unsqueeze(-1), hi.unsqueeze(-1))
-        return counts.scatter_add_(-1, moved, histogram)
+        counts = counts.view(blocks, self.bins)
+        if histogram is not None and histogram.numel() > 0:
+            old_lo, old_hi = old[0].reshape(-1, 1).double(), old[1].reshape(-1, 1).double()
+            old_counts = histogram.reshape(blocks, self.bins)
+            step = max(1, _BIN_CHUNK // self.bins)
+            centre = (torch.arange(self.bins, device=lo.device, dtype=torch.float64) + 0.5) / self.bins
+            for start in range(0, blocks, step):
+                b = slice(start, start + step)
+                centres = old_lo[b] + centre * (old_hi[b] - old_lo[b])  # NaN for an empty old range: bin 0, count 0
+                moved = self._bin_of(centres, lo[b].unsqueeze(-1), hi[b].unsqueeze(-1))
+                counts[b].scatter_add_(-1, moved, old_counts[b])
+        return counts.view(*new[0].shape, self.bins)
 
     def search(self, histogram: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                fake_quantize_rows: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> Range:
@@ -261,40 +304,58 @@ class HistogramObserver(RangeObserver):
         error over the histogram. `fake_quantize_rows(values, lo, hi)`
         fake-quantizes each row of `values` with the qparams of that row's
         range (lo, hi: one per row). Two passes: a coarse grid of fractions
-        for lo and hi, then a grid a third as fine around the coarse best."""
+        for lo and hi, then a grid a third as fine around the coarse best.
+        Blocks go in groups of at most _SEARCH_CHUNK sample points."""
         shape, s, n = lo.shape, self.samples_per_bin, self.num_candidates
         lo, hi = lo.reshape(-1, 1), hi.reshape(-1, 1)
-        counts = histogram.reshape(-1, self.bins).float()
-        offsets = (torch.arange(self.bins * s, device=lo.device) + 0.5) / (self.bins * s)
-        values = lo + offsets * (hi - lo)  # (blocks, bins * s): the bins' sample points
-        weights = counts.repeat_interleave(s, dim=1).unsqueeze(-1)  # (blocks, bins * s, 1)
+        empty = lo > hi  # a block that saw no finite value keeps its empty range
+        # Sample an empty block over [0, 0]: its weights are all 0, and its result is replaced.
+        lo_s, hi_s = torch.where(empty, 0.0, lo).double(), torch.where(empty, 0.0, hi).double()
+        histogram = histogram.reshape(-1, self.bins)
+        m = self.bins * s
+        offsets = (torch.arange(m, device=lo.device, dtype=torch.float64) + 0.5) / m
         coarse = (n + 2) // 3
         step = (1.0 - self.min_fraction) / max(coarse - 1, 1)
-        grid = torch.arange(coarse, device=lo.device) * -step + 1.0  # 1 .. min_fraction
-        best_a, best_b = self._best(values, weights, lo, hi, grid.view(1, -1), grid.view(1, -1), fake_quantize_rows)
-        fine = torch.arange(-3, 4, device=lo.device) * (step / 3)  # around the coarse best, within the bounds
-        around = lambda f: (f + fine.view(1, -1)).clamp(self.min_fraction, 1.0)  # noqa: E731
-        best_a, best_b = self._best(values, weights, lo, hi, around(best_a), around(best_b), fake_quantize_rows)
-        chosen_lo, chosen_hi = lo * best_a, hi * best_b
-        empty = lo > hi  # a block that saw no finite value keeps its empty range
+        grid = (torch.arange(coarse, device=lo.device) * -step + 1.0).view(1, -1)  # 1 .. min_fraction
+        fine = torch.arange(-3, 4, device=lo.device).view(1, -1) * (step / 3)  # around the coarse best
+        # Errors are measured in units of a power of two near each block's
+        # largest |value| (an exact rescaling: the same comparisons as
+        # unscaled), so a range as wide as fp32's does not overflow them.
+        amax = torch.maximum(lo_s.abs(), hi_s.abs())
+        unit = torch.ldexp(torch.ones_like(amax), -torch.frexp(amax)[1].clamp(min=-126)).float()
+        chosen_lo, chosen_hi = torch.empty_like(lo), torch.empty_like(hi)
+        group = max(1, _SEARCH_CHUNK // m)
+        for start in range(0, lo.shape[0], group):
+            b = slice(start, start + group)
+            values = (lo_s[b] + offsets * (hi_s[b] - lo_s[b])).float()  # (blocks, bins * s): the bins' sample points
+            weights = histogram[b].float().repeat_interleave(s, dim=1).unsqueeze(-1)  # (blocks, bins * s, 1)
+            args = (values, weights, unit[b], lo[b], hi[b])
+            best_a, best_b = self._best(*args, grid, grid, fake_quantize_rows)
+            around = lambda f: (f + fine).clamp(self.min_fraction, 1.0)  # noqa: E731
+            best_a, best_b = self._best(*args, around(best_a), around(best_b), fake_quantize_rows)
+            chosen_lo[b], chosen_hi[b] = lo[b] * best_a, hi[b] * best_b
         return (torch.where(empty, lo, chosen_lo).view(shape), torch.where(empty, hi, chosen_hi).view(shape))
 
     @staticmethod
-    def _best(values, weights, lo, hi, fa, fb, fake_quantize_rows):
+    def _best(values, weights, unit, lo, hi, fa, fb, fake_quantize_rows):
         """The fractions (a, b), one pair per block from fa x fb (each
         (blocks or 1, k)), whose range [lo * a, hi * b] gives the smallest
-        weighted squared error; the first in order on a tie."""
+        weighted squared error (the error times `unit`, a power of two per
+        block); the first in order on a tie. At most _SEARCH_CHUNK values
+        per op call."""
         blocks, m = values.shape
         a = fa.expand(blocks, -1).unsqueeze(2).expand(-1, -1, fb.shape[1]).reshape(blocks, -1)
         b = fb.expand(blocks, -1).unsqueeze(1).expand(-1, fa.shape[1], -1).reshape(blocks, -1)
         k = a.shape[1]
         err = torch.empty(blocks, k, device=values.device)
-        rows = max(1, (1 << 22) // m)  # values per op call: about 4M
+        scaled = (values * unit).unsqueeze(1)  # exact: unit is a power of two
+        unit = unit.unsqueeze(-1)
+        rows = max(1, _SEARCH_CHUNK // (blocks * m))
         for start in range(0, k, rows):
             stop = min(k, start + rows)
             v = values.unsqueeze(1).expand(-1, stop - start, -1).reshape(-1, m)
             q = fake_quantize_rows(v, (lo * a[:, start:stop]).reshape(-1, 1), (hi * b[:, start:stop]).reshape(-1, 1))
-            sq = (q.float() - v).square_().view(blocks, stop - start, m)
+            sq = q.float().view(blocks, stop - start, m).mul_(unit).sub_(scaled).square_()
             err[:, start:stop] = torch.bmm(sq, weights).squeeze(-1)
         best = err.argmin(dim=1, keepdim=True)  # the first minimum
         return a.gather(1, best), b.gather(1, best)

@@ -210,13 +210,15 @@ def fake_quantize_affine_learnable_grads(
             int_off = expand(off + (rounded - off).detach())
     # Which integer each element rounds to: the fp32 forward's decision.
     r32 = torch.round((x.float() - float_off32) / s32).to(f64)
-    # Round straight through where x is finite; NaN stays NaN and +-Inf
-    # saturates with no derivative (v is computed from a finite stand-in, or
-    # its infinite derivative would turn the zeros around it into NaN).
+    # Round straight through where x is finite. A non-finite x contributes
+    # no gradient (the observers ignore it too): its y is a constant 0 here
+    # (v from a finite stand-in, r 0, so that no NaN or infinite factor
+    # meets the zeros around it in the chain rule).
     finite = torch.isfinite(x64.detach())
     v = (torch.where(finite, x64, 0.0) - float_off) / expand(s)
-    r = torch.where(finite, v + (r32 - v).detach(), r32)
+    r = torch.where(finite, v + (r32 - v).detach(), 0.0)
     y = (torch.clamp(r + int_off, quant_min, quant_max) - int_off) * expand(s) + float_off
+    y = torch.where(finite, y, 0.0)
     leaves = [x64, s] + ([off] if off is not None else [])
     grads = torch.autograd.grad(y, leaves, dy.to(f64))
     if grad_factor is None:

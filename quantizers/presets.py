@@ -27,6 +27,14 @@ global scale) keep MinMaxObserver. Bias stays in float.
 | mxfp4  | MXFP4 (blocks of 32, E8M0 scales)  | MXFP4, dynamic |
 | nvfp4  | NVFP4 (blocks of 16, E4M3 scales, per-tensor global scale) | NVFP4, static global scale |
 
+On a convolutional network the 4-bit presets' one-call form
+(pt2e_fq.cli.pipeline.quantize) keeps the layers 4 bits cannot carry at
+int8 per-channel weights, as deployed int4 models do: the first conv, the
+depthwise convs and the classifier (the last linear), with `int8_edges`;
+and it runs the post-training algorithms of PTQ_ALGORITHMS
+(pt2e_fq.calib: GPTQ rounding, bias correction) between calibration and
+convert. docs/quantizers.md, "Trained models", shows what both do.
+
 MX and NVFP4 blocks run along the reduction dimension: a linear or matmul
 input's last axis, a conv input's channel axis (axis 1, hence the op-type
 entries for convolutions).
@@ -123,6 +131,37 @@ def _presets(int8_activation: QSpec) -> dict[str, QuantizerConfig]:
 PRESETS = _presets(_INT8_ACT)
 # The same presets for QAT: MinMaxObserver on the static integer activations (module doc).
 _QAT_PRESETS = _presets(_INT8_ACT_QAT)
+
+
+# pt2e_fq.calib.apply's algorithms that pipeline.quantize runs for a preset (module doc). Not
+# mxfp4: GPTQ's updates move MX blocks' maxima, and with them the kernel's power-of-two scales
+# (MiniLM: mean cosine 0.928 with round-to-nearest, 0.877 after; docs/quantizers.md).
+PTQ_ALGORITHMS = {name: ("gptq", "bias_correction") for name in ("w8a8", "w4a8", "w4a16", "w8a16", "nvfp4")}
+# Presets whose one-call form keeps a convolutional network's edge layers at int8 weights (int8_edges).
+INT8_EDGE_PRESETS = ("w4a8", "w4a16", "nvfp4", "mxfp4")
+
+
+def int8_edges(config: QuantizerConfig, model) -> QuantizerConfig:
+    """`config` with the first conv, every depthwise conv and the last
+    linear (the classifier) of `model` at int8 per-channel symmetric
+    weights (w8a8's), their activations as the config gives them, by module
+    name; a model without convolutions is left as it is (its last linear is
+    no classifier). Changes and returns `config`."""
+    import torch
+
+    convs = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Conv2d)]
+    if not convs:
+        return config
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    names = {convs[0][0]} | {n for n, m in convs if m.groups > 1 and m.groups == m.in_channels}
+    names |= set(linears[-1:])
+    weight = PRESETS["w8a8"].global_config.weight
+    conv_config = config.operator_type.get("conv2d") or config.global_config
+    for name in sorted(names):
+        is_conv = isinstance(model.get_submodule(name), torch.nn.Conv2d)
+        base = conv_config if is_conv else config.global_config
+        config.set_module_name(name, OpConfig(input_activation=base.input_activation, weight=weight))
+    return config
 
 
 TARGETS = ("generic", "xnnpack", "x86_inductor")

@@ -35,7 +35,6 @@ from quantizers import presets
 from . import digits, pipeline
 from ..export import check_onnx, compile_x86, ort_session, run_pte, save, to_executorch, to_onnx, to_qdq
 from ..export.lowering.executorch import require_executorch
-from ..fake_quantize import FakeQuantize
 from ..files import write_bytes, write_text
 from ..report import report
 from .step_time import step_times
@@ -255,9 +254,7 @@ def compare_learned_ranges(model, float_state, data, example, *, qat_epochs, cal
             qat = pipeline.prepare(model, example, low_bit_config(bits, learnable), qat=True)
             pipeline.calibrate(qat, [x for x, _ in data.batches("train", BATCH, seed=seed)][:calibration_batches],
                                progress=progress)
-            for m in qat.modules():  # the learned ranges start training: the optimizer owns them now
-                if isinstance(m, FakeQuantize) and m.qspec.learnable:
-                    m.disable_observer()
+            pipeline.start_learning_ranges(qat)  # the optimizer owns the learned ranges now
             torch.manual_seed(seed)
             # The demo's QAT optimizer for both; the learned qparams are two
             # more parameters to it (measured: a separate, smaller rate for

@@ -6,6 +6,7 @@
     converted = pipeline.convert(prepared)                        # convert_pt2e
 
     qat = pipeline.prepare(model, (x,), "w4a8", qat=True)         # prepare_qat_pt2e on a train-mode export
+    pipeline.start_learning_ranges(qat)                           # after calibrating: learnable points learn (LSQ)
     pipeline.train(qat, batches, loss_fn, optimizer, epochs=3)    # any training loop works; this one has a bar
     pipeline.freeze_qat(qat, batch)                               # eval mode, final weight qparams, observers off
     converted = pipeline.convert(qat)
@@ -41,6 +42,7 @@ from tqdm import tqdm
 
 from quantizers import FakeQuantQuantizer, QuantizerConfig, presets
 
+from .. import calib
 from ..graph import DROPOUTS, as_args
 from ..fake_quantize import FakeQuantize
 
@@ -358,6 +360,17 @@ def _module_text(node: torch.fx.Node) -> str:
     return f"module '{stack[-1][0]}'" if stack else "the model itself"
 
 
+def start_learning_ranges(prepared: torch.nn.Module) -> torch.nn.Module:
+    """Turns off the observers of the learnable points (QSpec(learnable=True)),
+    in place; returns the model. Call it after calibration, before QAT: a
+    learnable point's observer, while on, sets its qparams at every forward,
+    overwriting what the optimizer learned. The other points keep theirs."""
+    for m in prepared.modules():
+        if isinstance(m, FakeQuantize) and m.qspec.learnable:
+            m.disable_observer()
+    return prepared
+
+
 def freeze_qat(prepared: torch.nn.Module, batch) -> torch.nn.Module:
     """Ends QAT: eval mode (move_to_eval: batch norms use their running
     statistics, train-only randomness is removed), one forward of `batch`
@@ -366,9 +379,7 @@ def freeze_qat(prepared: torch.nn.Module, batch) -> torch.nn.Module:
     off: its range is the trained one."""
     move_to_eval(prepared)
     prepared.apply(tao.enable_observer)
-    for m in prepared.modules():  # a learned range is kept as trained
-        if isinstance(m, FakeQuantize) and m.qspec.learnable:
-            m.disable_observer()
+    start_learning_ranges(prepared)  # a learned range is kept as trained
     with torch.no_grad():
         prepared(*as_args(batch))
     prepared.apply(tao.disable_observer)
@@ -413,12 +424,20 @@ def quantize(
     lr: float = 1e-4,
     progress: bool = True,
     dynamic_batch: bool = True,
+    algorithms: bool = True,
 ) -> torch.fx.GraphModule:
     """The whole flow for a model without labels. PTQ: prepare, calibrate on
-    `calibration` (batches; default: the example inputs), convert. With
+    `calibration` (batches; default: the example inputs), convert. For a
+    preset name, PTQ runs the preset's defaults unless `algorithms` is
+    False: on a convolutional network the 4-bit presets keep the first conv,
+    depthwise convs and classifier at int8 weights (presets.int8_edges), and
+    pt2e_fq.calib.apply runs the algorithms of presets.PTQ_ALGORITHMS
+    between calibration and convert. With
     qat_steps > 0: prepare for QAT, calibrate, then train `qat_steps` steps
     (Adam, `lr`) to match the float model's outputs on the calibration
-    batches (distillation, mean squared error), freeze and convert.
+    batches (distillation, mean squared error), learnable ranges with the
+    rest (their observers off after calibration: start_learning_ranges),
+    freeze and convert.
     dynamic_batch=False exports with the example's batch size (a model
     whose batch dimension cannot be dynamic); then every calibration batch
     must have it. The model is not changed."""
@@ -429,9 +448,15 @@ def quantize(
     if not batches:
         raise ValueError("quantize: calibration holds no batch")
     model = copy.deepcopy(model)
+    name = config if algorithms and qat_steps == 0 and isinstance(config, str) else None
+    if name in presets.INT8_EDGE_PRESETS:
+        config = presets.int8_edges(presets.get_preset(name), model)
     prepared = prepare(model, example, config, qat=qat_steps > 0, dynamic_batch=dynamic_batch)
     calibrate(prepared, batches, progress=progress)
+    if name in presets.PTQ_ALGORITHMS:
+        calib.apply(prepared, batches)
     if qat_steps > 0:
+        start_learning_ranges(prepared)
         model.eval()
         with torch.no_grad():
             targets = [model(*b) for b in batches]

@@ -134,7 +134,8 @@ class UntrustedModuleError(ImportError):
 # each name is registered in the loading process. A type such as
 # transformers' ModelOutput registers itself, under "<its module>.<its name>",
 # when its module is imported, which a fresh process has not done. So save
-# checks that each name's module part is importable, and load imports it.
+# checks that each name's module part is importable, and load imports it
+# where it is trusted (a file can name any module, and importing runs it).
 
 
 def _spec_types(spec: pytree.TreeSpec) -> Iterator[type]:

@@ -144,8 +144,9 @@ def fake_quantize_affine_learnable(
     1 / sqrt(block_numel * quant_max) with block_numel that block's own
     element count (a ragged last block has fewer), computed by the kernel;
     a float applies to every block as given. The sums are fp32 in an order
-    fixed by the sizes (the same bits for any thread count). NaN in x gives
-    a NaN d scale for its block.
+    fixed by the sizes (the same bits for any thread count). A NaN or +-Inf
+    in x contributes no gradient (dx 0, nothing to its block's sums), as the
+    observers ignore it.
     """
     if type(grad_factor) is int:  # the op takes a float
         grad_factor = float(grad_factor)

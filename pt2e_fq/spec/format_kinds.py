@@ -212,6 +212,16 @@ _ZP_QPARAMS = {
 }
 
 
+def floored_learned_scale(scale: torch.Tensor) -> torch.Tensor:
+    """A learned scale as the learnable op takes it: max(scale, fp32 eps)
+    in value, the identity in gradient (straight through). The value is
+    the floor itself, bit for bit, whatever the scale: the detached floor
+    plus (scale - scale.detach()), which is exactly +0 for a finite scale.
+    (The form `scale + (floor - scale).detach()` rounds: for scale <= -2,
+    eps - scale rounds to -scale and the sum is 0.) A NaN scale stays NaN."""
+    return scale.detach().clamp_min(INT_SCALE_EPS) + (scale - scale.detach())
+
+
 class _Integer(FormatKind):
     name, op_name = "integer", "fake_quantize_affine"
     learnable_op_name = "fake_quantize_affine_learnable"
@@ -277,19 +287,19 @@ class _Integer(FormatKind):
         the zero point rounded half to even after clamping, as int32."""
         value = value.detach()
         if name == "scale":
-            return value.clamp_min(INT_SCALE_EPS)
+            return floored_learned_scale(value)
         if name == "zero_point":
             return self.frozen_learned_zero_point(value, *self.quant_range(spec))
         return value.clone()
 
     def fake_quantize_learnable(self, spec, x, block_size, qparams):
         """The learnable op on trainable qparams. The scale goes in floored
-        at fp32 eps, straight through: an optimizer step that drives it to
-        0 or below gives the op a valid scale, and its gradient still
-        reaches the parameter, so the next steps can bring it back."""
+        at fp32 eps, straight through (floored_learned_scale): an optimizer
+        step that drives it to 0 or below gives the op a valid scale, and
+        its gradient still reaches the parameter, so the next steps can
+        bring it back."""
         qmin, qmax = self.quant_range(spec)
-        scale = qparams["scale"]
-        scale = scale + (scale.clamp_min(INT_SCALE_EPS) - scale).detach()
+        scale = floored_learned_scale(qparams["scale"])
         return ops.fake_quantize_affine_learnable(
             x, block_size, scale, qparams.get("zero_point"), qmin, qmax, spec.grad_factor, minval=qparams.get("minval")
         )

@@ -247,6 +247,39 @@ def test_learnable_backward_default_grad_factor_is_per_block_on_ragged_blocks(dr
                        c.quant_min, c.quant_max, "aligned", grad_factor=None)
 
 
+def test_learned_scale_floor_is_the_same_bits_in_the_kernels(driver, tmp_path, monkeypatch):
+    # Learned scales an optimizer pushed to 0 or below reach the op as fp32
+    # eps (the floor convert freezes); the kernels take that floor as the
+    # CPU does: y, mask and dx the same bits as a training forward on the CPU.
+    from pt2e_fq import FakeQuantize, QSpec
+    from pt2e_fq.formats import INT8
+    from pt2e_fq.granularity import PerChannel
+
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(5))
+    point = FakeQuantize(QSpec(INT8, PerChannel(0), "asymmetric", learnable=True))
+    point(x)
+    point.disable_observer()
+    with torch.no_grad():
+        point.scale.view(-1)[:3] = torch.tensor([-2.0, -3.0, 0.0])
+    taken = []
+    learnable_op = ops.fake_quantize_affine_learnable
+
+    def spy(x, block_size, scale, *args, **kwargs):
+        taken.append(scale.detach().clone())
+        return learnable_op(x, block_size, scale, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "fake_quantize_affine_learnable", spy)
+    y = point(x).detach()
+    (scale,) = taken
+    eps = torch.finfo(torch.float32).eps
+    assert_bits_equal(scale.view(-1)[:3], torch.full((3,), eps))
+    zero_point = point.zero_point.detach().clamp(-128, 127).round().to(torch.int32)  # as the op applies it
+    case, (y_cpu, mask) = affine_forward(tmp_path, x, [1, 64], scale, zero_point, None, -128, 127, "aligned")
+    assert_bits_equal(y_cpu, y)
+    assert_forward_and_backward(driver, tmp_path, case, (y, mask), "aligned")
+    learnable_backward(driver, tmp_path, x, [1, 64], scale, point.zero_point.detach(), None, -128, 127, "aligned")
+
+
 # ---------------------------------------------------------------------------
 # The fused observe ops. The range state is compared with the observers'
 # torch ops (bit for bit: min, max and the moving average round alike on

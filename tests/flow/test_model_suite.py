@@ -9,7 +9,7 @@ every preset through the pipeline, as a user runs them.
 - Parity with torchao's stock quantizers: each integer preset
   at least the better of XNNPACKQuantizer and X86InductorQuantizer (their
   int8 configs; for a 4-bit preset the same with int4 per-channel weights,
-  accuracy.stock_weight_bits; same weights, same calibration) on the stock
+  stock_flows.stock_weight_bits; same weights, same calibration) on the stock
   quantizer's coverage: not below it by more than two standard errors of the paired
   per-batch SQNR difference over the 16 held-out batches
   (accuracy.sqnr_gap); fp8 at least w8a8. Where ours is below, the case is

@@ -122,8 +122,9 @@ def check_lowered(lowered, model, inputs, *, min_sqnr_db: float = MIN_FLOAT_SQNR
         raise TypeError(f"check_lowered: min_sqnr_db must be a number of dB, got {min_sqnr_db!r}")
     args = as_args(inputs)
     if isinstance(lowered, (str, os.PathLike)):
-        from .executorch import check_pte_file
+        from .executorch import check_pte_file, require_executorch
 
+        require_executorch()  # without the extra, that is the first thing to fix
         check_pte_file("check_lowered", lowered)  # before the export's work
     ep = exported_program(model, args)
     with torch.no_grad():

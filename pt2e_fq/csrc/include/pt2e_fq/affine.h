@@ -77,19 +77,23 @@ PT2E_FQ_HD float fake_quantize_affine_one(float x, float scale, float ioff, floa
 //             this alone: y moves by d(foff) and by -scale * d(ioff) there,
 //             and not at all inside (STE), so the caller scales its per-block
 //             sum by 1 (minval, LSQ+) or -scale (a float zero point).
-// NaN x gives dx 0 and a NaN dscale (the NaN reaches its block's gradient).
-// The two d scale cases select their operands (select_bits: no branch for
-// the host compiler to split the loop into), one subtraction follows.
+// A non-finite x (NaN, +-Inf) contributes nothing: dx, dscale and outside
+// are 0 (the observers ignore such values too; one NaN would otherwise make
+// its block's d scale NaN, and the optimizer would write it into the scale).
+// The d scale cases select their operands (select_bits: no branch for the
+// host compiler to split the loop into), one subtraction follows.
 PT2E_FQ_HD float lsq_grads_one(float x, float dy, float scale, float ioff, float foff,
                                float qmin, float qmax, float& dscale, float& outside) {
   const float v = div_rn(sub_rn(x, foff), scale);
   const float r = round_half_even(v);
   const float q = add_rn(r, ioff);
   const bool in_range = (q >= qmin) & (q <= qmax);
+  const bool finite = sub_rn(x, x) == 0.0f;  // NaN for NaN and +-Inf
   // clamp_keep_nan(q, qmin, qmax), as selects.
   const float clamped = select_bits(q < qmin, qmin, select_bits(q > qmax, qmax, q));
-  dscale = mul_rn(dy, sub_rn(select_bits(in_range, r, clamped), select_bits(in_range, v, ioff)));
-  outside = select_bits(in_range, 0.0f, dy);
+  const float term = mul_rn(dy, sub_rn(select_bits(in_range, r, clamped), select_bits(in_range, v, ioff)));
+  dscale = select_bits(finite, term, 0.0f);
+  outside = select_bits(finite & !in_range, dy, 0.0f);
   return select_bits(in_range, dy, 0.0f);
 }
 

@@ -1,0 +1,138 @@
+"""Post-training algorithms for low bits, run on a prepared model between
+calibration and convert_pt2e:
+
+    prepared = prepare_pt2e(exported, quantizer)
+    for batch in calibration_batches:              # observers see data
+        prepared(*batch)
+    report = pt2e_fq.calib.apply(prepared, calibration_batches)
+    converted = convert_pt2e(prepared)
+    print(report)                                  # per layer: output SQNR before / after
+
+`apply` works on every linear and conv2d whose weight has one of our
+fake-quant points (any format and granularity: the point's own op is the
+quantize function). It collects each layer's input statistics in one pass
+over the batches (as the layer sees its input in the prepared model), then
+per layer:
+
+- `gptq` (calib.gptq): output-aware rounding of the weight on the point's
+  calibrated grid;
+- `bias_correction` (calib.bias_correction): the mean output error of the
+  rounding added to the bias (a layer without bias gets one).
+
+The weight parameters are replaced by their rounded values (new tensors:
+the user's float model, which a graph from torch.export shares parameters
+with, is not changed) and the weight points' observers are switched off,
+so convert keeps the calibrated grid the rounding chose values on. The
+application layer's `pipeline.quantize` runs this for the presets whose
+row in docs/quantizers.md names it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+from . import layers as _layers
+from . import statistics as _statistics
+from .bias_correction import bias_correction
+from .gptq import gptq
+
+__all__ = ["apply", "CalibReport", "LayerResult"]
+
+
+@dataclass
+class LayerResult:
+    """One layer: the output SQNR (dB) of its rounded weight on the
+    calibration inputs, with round-to-nearest (`before`) and after the
+    algorithms (`after`; with bias correction, its mean error removed)."""
+
+    name: str
+    weight: str  # the weight point's QSpec
+    before_db: float
+    after_db: float
+
+
+@dataclass
+class CalibReport:
+    """The layers' results; `seconds` the wall time of apply and
+    `cpu_seconds` the CPU time of its threads (on a shared machine the
+    wall time also counts other processes' turns)."""
+
+    algorithms: tuple
+    seconds: float
+    cpu_seconds: float
+    layers: list = field(default_factory=list)
+
+    def worst(self, count: int = 5) -> list:
+        return sorted(self.layers, key=lambda r: r.after_db)[:count]
+
+    def __str__(self) -> str:
+        from tabulate import tabulate
+
+        rows = [(r.name, r.weight, f"{r.before_db:.1f}", f"{r.after_db:.1f}") for r in self.layers]
+        head = (f"calib.apply({', '.join(self.algorithms)}): {len(self.layers)} layers, {self.seconds:.1f} s "
+                f"({self.cpu_seconds:.1f} s CPU)")
+        return head + "\n" + tabulate(rows, headers=("layer", "weight", "SQNR RTN dB", "SQNR after dB"))
+
+
+def _output_sqnr(weight: torch.Tensor, error: torch.Tensor, second_moment: torch.Tensor,
+                 noise_moment: torch.Tensor) -> float:
+    """10 log10(tr(W H W^T) / tr(E M E^T)), summed over groups: the output
+    power over the power of the output error, whose inputs' moment M is H,
+    or the covariance where bias correction has removed the mean error."""
+    w, e = weight.double(), error.double()
+    signal = ((w @ second_moment) * w).sum().item()
+    noise = ((e @ noise_moment) * e).sum().item()
+    return 10 * math.log10(signal / noise) if noise > 0 else math.inf
+
+
+def apply(prepared: torch.fx.GraphModule, batches: Iterable, *, gptq_rounding: bool = True,
+          correct_bias: bool = True, block: int = 128, damp: float = 0.01) -> CalibReport:
+    """Runs the algorithms on `prepared` (calibrated: its weight points hold
+    qparams) with `batches` (tensors or tuples of tensors, as for
+    calibration); returns the per-layer report. gptq_rounding=False keeps
+    round-to-nearest weights (bias correction alone)."""
+    if not isinstance(prepared, torch.fx.GraphModule):
+        raise TypeError(f"calib.apply: prepared must be the GraphModule of prepare_pt2e, got "
+                        f"{type(prepared).__name__}")
+    start, cpu_start = time.perf_counter(), time.process_time()
+    found = _layers.find_layers(prepared)
+    points = [m for m in prepared.modules() if hasattr(m, "enable_observer")]
+    observing = {id(m): bool(getattr(m, "_observer_on", False)) for m in points}
+    for m in points:
+        m.enable_observer(False)
+    try:
+        stats = _statistics.collect(prepared, found, list(batches))
+    except Exception:
+        for m in points:
+            m.enable_observer(observing[id(m)])
+        raise
+    algorithms = tuple(name for name, on in (("gptq", gptq_rounding), ("bias_correction", correct_bias)) if on)
+    report = CalibReport(algorithms, 0.0, 0.0)
+    weight_points = {id(layer.point) for layer in found}
+    for layer in found:
+        s = stats[layer.node]
+        w = layer.as_matrix(layer.weight(prepared).float())
+        h = s.second_moment
+        nearest = layer.quantize(w)
+        rounded = nearest
+        if gptq_rounding:  # the op once more on the whole weight: MX / NVFP4 block scales as deployed
+            rounded = layer.quantize(gptq(w, h, layer.column_quantizer(), block=block, damp=damp))
+        after_moment = h
+        if correct_bias:
+            _layers.add_to_bias(prepared, layer, bias_correction(w, rounded, s.mean))
+            after_moment = h - s.mean.unsqueeze(-1) * s.mean.unsqueeze(-2)
+        if gptq_rounding:
+            _layers.set_weight(prepared, layer, rounded.reshape(layer.weight_shape))
+        report.layers.append(LayerResult(layer.weight_name, str(layer.point.qspec),
+                                         _output_sqnr(w, w - nearest, h, h),
+                                         _output_sqnr(w, w - rounded, h, after_moment)))
+    for m in points:  # weight points stay off: their grid is the one the weights were rounded on
+        m.enable_observer(observing[id(m)] and id(m) not in weight_points)
+    report.seconds = time.perf_counter() - start
+    report.cpu_seconds = time.process_time() - cpu_start
+    return report

@@ -1,0 +1,160 @@
+"""The layers the PTQ algorithms work on: every conv2d and linear of a
+prepared graph whose weight is a parameter read through one of our
+FakeQuantize points (get_attr -> FakeQuantize -> op), with its weight as a
+matrix of (groups, rows, columns): a linear's (1, out, in); a conv's
+(groups, out / groups, in / groups * kh * kw), columns in the order of
+`torch.nn.functional.unfold` (channel, then kernel row, then column)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..fake_quantize import FakeQuantize
+from ..spec.format_kinds import INTEGER, MX, NVFP4, SCALED_FLOAT
+
+aten = torch.ops.aten
+LINEAR, CONV2D = aten.linear.default, aten.conv2d.default
+# aten.conv2d's arguments after (input, weight, bias), with their defaults.
+_CONV_DEFAULTS = ((1, 1), (0, 0), (1, 1), 1)  # stride, padding, dilation, groups
+
+
+@dataclass
+class Layer:
+    node: torch.fx.Node  # the linear or conv2d call
+    weight_name: str  # the get_attr target of the weight
+    point: FakeQuantize  # the weight's fake-quant point
+    weight_shape: torch.Size
+
+    @property
+    def is_conv(self) -> bool:
+        return self.node.target is CONV2D
+
+    def conv_args(self) -> tuple:
+        """(stride, padding, dilation, groups) of a conv2d node."""
+        given = tuple(self.node.args[3:]) + _CONV_DEFAULTS[len(self.node.args) - 3:]
+        stride, padding, dilation, groups = (given[i] if i < len(given) else _CONV_DEFAULTS[i] for i in range(4))
+        pair = lambda v: tuple(v) if isinstance(v, (list, tuple)) else (v, v)  # noqa: E731
+        return pair(stride), pair(padding), pair(dilation), int(groups)
+
+    @property
+    def groups(self) -> int:
+        return self.conv_args()[3] if self.is_conv else 1
+
+    def weight(self, gm: torch.fx.GraphModule) -> torch.Tensor:
+        return _tensor(gm, self.weight_name).detach()
+
+    def as_matrix(self, w: torch.Tensor) -> torch.Tensor:
+        g = self.groups
+        return w.reshape(g, w.shape[0] // g, -1)
+
+    def quantize(self, matrix: torch.Tensor) -> torch.Tensor:
+        """The weight point's own op (its observer off) on a matrix of this layer's weight."""
+        with torch.no_grad():
+            return self.point(matrix.reshape(self.weight_shape)).reshape(matrix.shape)
+
+    def column_quantizer(self):
+        """quantize(columns, j) for calib.gptq: column j (groups, rows) of the
+        weight matrix given with its columns first (groups, n, rows), rounded
+        by the weight point's op. A static integer or scaled-float point rounds
+        each element on its own qparams: the op runs on the column alone with
+        those qparams expanded to one per element (the same arithmetic as on
+        the whole weight). MX and NVFP4 blocks along the columns of a linear
+        or pointwise conv: the op on column j's block. Otherwise (block scales computed in the kernel:
+        MX, NVFP4) the op runs on the whole weight, where a block's scale
+        sees the block's current values."""
+        spec = self.point.qspec
+        if spec.kind in (MX, NVFP4) and self.groups == 1 and self.weight_shape[2:].numel() == 1:
+            # Blocks run along the columns (a linear's or pointwise conv's input channels): the op
+            # on the block holding column j alone gives what it gives on the whole weight.
+            size = spec.granularity.group_size
+            tail = (1,) * (len(self.weight_shape) - 2)
+
+            def quantize_block(columns, j):
+                start = j - j % size
+                block = columns[0, start:start + size].T
+                with torch.no_grad():
+                    return self.point(block.reshape(*block.shape, *tail)).reshape(block.shape)[:, j - start][None]
+
+            return quantize_block
+        if spec.dynamic or spec.kind not in (INTEGER, SCALED_FLOAT):
+            return lambda columns, j: self.quantize(columns.transpose(1, 2))[:, :, j]
+        block = spec.granularity.block_size(self.weight_shape)
+        per_element = {}
+        for name, q in self.point.calculate_qparams().items():
+            for d, (b, size) in enumerate(zip(block, self.weight_shape)):
+                q = q.repeat_interleave(b, dim=d).narrow(d, 0, size)
+            per_element[name] = self.as_matrix(q).transpose(1, 2).contiguous()
+        ones = (1, 1, 1)
+
+        def quantize(columns, j):
+            with torch.no_grad():
+                qparams = {name: q[:, j:j + 1] for name, q in per_element.items()}
+                return spec.kind.fake_quantize(spec, columns[:, j:j + 1], ones, qparams)[:, 0]
+
+        return quantize
+
+    def bias_node(self) -> Optional[torch.fx.Node]:
+        b = self.node.args[2] if len(self.node.args) > 2 else None
+        return b if isinstance(b, torch.fx.Node) else None
+
+
+def _tensor(gm: torch.nn.Module, name: str) -> torch.Tensor:
+    owner_name, _, attr = name.rpartition(".")
+    return getattr(gm.get_submodule(owner_name) if owner_name else gm, attr)
+
+
+def find_layers(gm: torch.fx.GraphModule) -> list[Layer]:
+    """The linear and conv2d nodes whose weight is get_attr -> FakeQuantize, in graph order."""
+    layers = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in (LINEAR, CONV2D) or len(node.args) < 2:
+            continue
+        point_node = node.args[1]
+        if not (isinstance(point_node, torch.fx.Node) and point_node.op == "call_module"):
+            continue
+        point = gm.get_submodule(point_node.target)
+        source = point_node.args[0]
+        if isinstance(point, FakeQuantize) and isinstance(source, torch.fx.Node) and source.op == "get_attr":
+            layers.append(Layer(node, source.target, point, _tensor(gm, source.target).shape))
+    return layers
+
+
+def _set_attr(gm: torch.fx.GraphModule, name: str, value: torch.Tensor) -> None:
+    """Replaces the tensor at `name` with a new Parameter (never in place: a
+    graph from torch.export(model).module() shares its parameters with the
+    user's float model, which must stay as it is)."""
+    owner_name, _, attr = name.rpartition(".")
+    owner = gm.get_submodule(owner_name) if owner_name else gm
+    old = getattr(owner, attr)
+    if isinstance(old, torch.nn.Parameter):
+        setattr(owner, attr, torch.nn.Parameter(value.detach().clone(), requires_grad=old.requires_grad))
+    else:
+        owner.register_buffer(attr, value.detach().clone())
+
+
+def set_weight(gm: torch.fx.GraphModule, layer: Layer, weight: torch.Tensor) -> None:
+    _set_attr(gm, layer.weight_name, weight)
+
+
+def add_to_bias(gm: torch.fx.GraphModule, layer: Layer, delta: torch.Tensor) -> None:
+    """bias += delta (out,), giving a layer without bias one (a new
+    parameter `<weight name>_calib_bias` read by a get_attr node)."""
+    node = layer.bias_node()
+    if node is not None:
+        old = _tensor(gm, node.target)
+        _set_attr(gm, node.target, old.detach() + delta.to(old.dtype))
+        return
+    name = layer.weight_name.replace(".", "_") + "_calib_bias"
+    gm.register_parameter(name, torch.nn.Parameter(delta.detach().clone(), requires_grad=False))
+    with gm.graph.inserting_before(layer.node):
+        bias = gm.graph.get_attr(name)
+    args = list(layer.node.args)
+    if len(args) > 2:
+        args[2] = bias
+    else:
+        args.append(bias)
+    layer.node.args = tuple(args)
+    gm.recompile()

@@ -1,0 +1,88 @@
+"""Input statistics of the layers (calib.layers) over calibration batches,
+in one pass through the prepared model: per layer, the second moment
+H = E[x x^T] and the mean E[x] of its input columns (a linear's input
+rows, a conv's unfolded patches, per conv group), as the layer sees them
+in the prepared model (upstream points quantizing, observers off)."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch.utils._pytree import tree_leaves
+
+from .layers import Layer
+
+# Samples of a conv input unfolded at once (an unfolded 112x112 input is large).
+_CONV_CHUNK = 4
+_FP64_COLUMNS = 64
+
+
+class InputStatistics:
+    """Running sums of x x^T and x over a layer's input columns."""
+
+    def __init__(self, layer: Layer):
+        self.layer = layer
+        self.count = 0
+        self.xx = None  # (groups, n, n), float64
+        self.x = None  # (groups, n), float64
+
+    def _columns(self, x: torch.Tensor):
+        """(groups, n, m) input columns of x for the layer."""
+        if not self.layer.is_conv:
+            return x.reshape(-1, x.shape[-1]).T.unsqueeze(0)
+        stride, padding, dilation, groups = self.layer.conv_args()
+        kernel = tuple(self.layer.weight_shape[2:])
+        if kernel == (1, 1) and stride == (1, 1) and padding == (0, 0):  # a pointwise conv needs no unfold
+            return x.transpose(0, 1).reshape(groups, x.shape[1] // groups, -1)
+        cols = F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)  # (B, C*kh*kw, L)
+        b, n, l = cols.shape
+        return cols.reshape(b, groups, n // groups, l).permute(1, 2, 0, 3).reshape(groups, n // groups, b * l)
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.detach().float()
+        chunks = x.split(_CONV_CHUNK) if self.layer.is_conv and self.layer.weight_shape[2:].numel() > 1 else (x,)
+        for chunk in chunks:
+            cols = self._columns(chunk)
+            # Few columns (a depthwise or stem conv): fp64 products, cheap there, so that the
+            # covariance E[x x^T] - E[x] E[x]^T of inputs far from zero mean keeps its digits;
+            # else fp32 products (a large unfolded input in fp64 costs seconds), fp64 sums.
+            if cols.shape[1] <= _FP64_COLUMNS:
+                cols = cols.double()
+            xx = (cols @ cols.transpose(1, 2)).double()
+            s = cols.sum(-1).double()
+            self.xx = xx if self.xx is None else self.xx + xx
+            self.x = s if self.x is None else self.x + s
+            self.count += cols.shape[-1]
+
+    @property
+    def second_moment(self) -> torch.Tensor:
+        return self.xx / self.count
+
+    @property
+    def mean(self) -> torch.Tensor:
+        return self.x / self.count
+
+
+class _Recorder(torch.fx.Interpreter):
+    def __init__(self, gm: torch.fx.GraphModule, stats: dict):
+        super().__init__(gm)
+        self.stats = stats  # node -> InputStatistics
+
+    def run_node(self, n):
+        record = self.stats.get(n)
+        if record is not None:
+            args, _ = self.fetch_args_kwargs_from_env(n)
+            record.add(args[0])
+        return super().run_node(n)
+
+
+def collect(gm: torch.fx.GraphModule, layers: list[Layer], batches: Iterable) -> dict[torch.fx.Node, InputStatistics]:
+    """One pass over `batches` (tensors or tuples of tensors) recording every layer's input statistics."""
+    stats = {layer.node: InputStatistics(layer) for layer in layers}
+    recorder = _Recorder(gm, stats)
+    with torch.no_grad():
+        for batch in batches:
+            recorder.run(*tree_leaves(batch if isinstance(batch, tuple) else (batch,)))
+    return stats

@@ -1,0 +1,184 @@
+"""pt2e_fq.calib: GPTQ rounding and bias correction on small synthetic
+layers, against hand-written torch references (the optimal-brain-surgeon
+form of GPTQ with an explicit inverse Hessian, the mean output error by
+direct products), and calib.apply on a small prepared model."""
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
+
+from pt2e_fq import FP8_E4M3, INT4, INT8, MXFP4, NVFP4, CurrentMinMaxObserver, FakeQuantize, PerChannel, PerGroup, QSpec, calib
+from pt2e_fq.cli import pipeline
+from pt2e_fq.calib.bias_correction import bias_correction
+from pt2e_fq.calib.gptq import gptq
+from pt2e_fq.calib.layers import LINEAR, Layer
+
+
+def _grid(scale: float):
+    """Round to nearest on a fixed int4 grid, by hand: quantize(columns, j) for gptq."""
+    def quantize(columns, j):
+        return (columns[:, j] / scale).round().clamp(-8, 7) * scale
+    return quantize
+
+
+def _reference_gptq(w: torch.Tensor, h: torch.Tensor, scale: float, damp: float) -> torch.Tensor:
+    """GPTQ as optimal brain surgeon: column by column, error / [H^-1]_jj fed
+    back through row j of the explicit inverse Hessian, then column j
+    eliminated from the inverse (float64)."""
+    w = w.double().clone()
+    h = h.double() + damp * h.diagonal().mean() * torch.eye(h.shape[0], dtype=torch.float64)
+    hinv = torch.linalg.inv(h)
+    for j in range(w.shape[1]):
+        q = (w[:, j] / scale).round().clamp(-8, 7) * scale
+        err = (w[:, j] - q) / hinv[j, j]
+        w[:, j:] -= err[:, None] * hinv[j, j:][None, :]
+        w[:, j] = q
+        hinv = hinv - hinv[:, j:j + 1] @ hinv[j:j + 1, :] / hinv[j, j]
+    return w.float()
+
+
+def _layer(seed: int, rows=12, n=40, tokens=400):
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(n, n, generator=g) / n ** 0.5 + torch.eye(n)  # correlated inputs: feedback matters
+    x = torch.randn(tokens, n, generator=g) @ mix + 0.5
+    w = torch.randn(rows, n, generator=g) * 0.1
+    return x, w
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gptq_matches_the_optimal_brain_surgeon_form(seed):
+    x, w = _layer(seed)
+    h = x.T @ x / len(x)
+    scale = w.abs().max().item() / 7
+    got = gptq(w.unsqueeze(0), h.unsqueeze(0), _grid(scale), block=16)[0]  # lazy batches of 16 of 40 columns
+    want = _reference_gptq(w, h, scale, damp=0.01)
+    assert (got - want).abs().max() < 1e-4 * scale or (got != want).float().mean() < 0.01  # a rare tie may flip
+    on_grid = got / scale
+    assert torch.allclose(on_grid, on_grid.round(), atol=1e-4)
+
+
+def test_gptq_reduces_the_output_error_of_round_to_nearest():
+    x, w = _layer(3)
+    h = x.T @ x / len(x)
+    scale = w.abs().max().item() / 7
+    nearest = (w / scale).round().clamp(-8, 7) * scale
+    rounded = gptq(w.unsqueeze(0), h.unsqueeze(0), _grid(scale))[0]
+    error = lambda q: ((x @ w.T - x @ q.T) ** 2).mean().item()  # noqa: E731
+    assert error(rounded) < 0.7 * error(nearest)
+
+
+def test_gptq_groups_are_independent_problems():
+    """A batch of groups (a grouped conv) gives each group what it gets alone."""
+    problems = [_layer(10 + i, rows=4, n=9) for i in range(3)]
+    ws = torch.stack([w for _, w in problems])
+    hs = torch.stack([x.T @ x / len(x) for x, _ in problems])
+    together = gptq(ws, hs, _grid(0.02))
+    for i in range(3):
+        alone = gptq(ws[i:i + 1], hs[i:i + 1], _grid(0.02))
+        torch.testing.assert_close(together[i:i + 1], alone)
+
+
+def test_gptq_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match="gptq: weight"):
+        gptq(torch.zeros(1, 4, 8), torch.zeros(1, 7, 7), _grid(1.0))
+
+
+def test_bias_correction_zeroes_the_mean_output_error():
+    x, w = _layer(4)
+    scale = w.abs().max().item() / 7
+    q = (w / scale).round().clamp(-8, 7) * scale
+    b = torch.randn(w.shape[0])
+    delta = bias_correction(w.unsqueeze(0), q.unsqueeze(0), x.mean(0).unsqueeze(0))
+    float_out, quant_out = x @ w.T + b, x @ q.T + b + delta
+    assert (float_out - x @ q.T - b).mean(0).abs().max() > 1e-2  # there was a mean error
+    torch.testing.assert_close((float_out - quant_out).mean(0), torch.zeros(w.shape[0]), atol=1e-5, rtol=0)
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1, bias=False)
+        self.dw = nn.Conv2d(16, 16, 3, padding=1, groups=16)
+        self.pw = nn.Conv2d(16, 32, 1)
+        self.fc = nn.Linear(32, 10, bias=False)
+
+    def forward(self, x):
+        x = torch.relu(self.dw(torch.relu(self.stem(x))))
+        return self.fc(torch.relu(self.pw(x)).mean((2, 3)))
+
+
+def _sqnr(a, b):
+    return (10 * torch.log10(a.pow(2).sum() / (a - b).pow(2).sum())).item()
+
+
+@pytest.mark.parametrize("preset", ["w4a16", "nvfp4"])
+def test_apply_improves_the_model_and_leaves_the_float_model_alone(preset):
+    torch.manual_seed(0)
+    model = _Net().eval()
+    before = copy.deepcopy(model.state_dict())
+    batches = [torch.randn(8, 3, 12, 12) for _ in range(4)]
+
+    def quantized(algorithms):
+        prepared = pipeline.prepare(model, batches[0], preset)
+        pipeline.calibrate(prepared, batches, progress=False)
+        report = calib.apply(prepared, batches) if algorithms else None
+        return convert_pt2e(prepared), report
+
+    plain, _ = quantized(False)
+    tuned, report = quantized(True)
+    with torch.no_grad():
+        ref = torch.cat([model(b) for b in batches])
+        assert _sqnr(ref, torch.cat([tuned(b) for b in batches])) > _sqnr(ref, torch.cat([plain(b) for b in batches]))
+    for name, value in model.state_dict().items():  # the float model shares nothing that was rewritten
+        assert torch.equal(value, before[name]), name
+    assert [r.name for r in report.layers] == ["stem.weight", "dw.weight", "pw.weight", "fc.weight"]
+    assert all(r.after_db > r.before_db for r in report.layers if preset == "w4a16")
+    # The converted weight points keep the grid the weights were rounded on: a weight is its own rounding.
+    for node in tuned.graph.nodes:
+        if node.op == "call_module" and node.args[0].op == "get_attr":
+            w = tuned.get_parameter(node.args[0].target)
+            torch.testing.assert_close(tuned.get_submodule(node.target)(w), w, atol=0, rtol=0)
+
+
+def test_apply_gives_a_bias_to_a_layer_without_one():
+    torch.manual_seed(1)
+    model = _Net().eval()
+    batches = [torch.randn(4, 3, 8, 8) + 1.0 for _ in range(2)]
+    prepared = pipeline.prepare(model, batches[0], "w4a16")
+    pipeline.calibrate(prepared, batches, progress=False)
+    calib.apply(prepared, batches, gptq_rounding=False)
+    linear = [n for n in prepared.graph.nodes if n.target is torch.ops.aten.linear.default][0]
+    assert len(linear.args) == 3 and linear.args[2].op == "get_attr"
+    converted = convert_pt2e(prepared)
+    with torch.no_grad():
+        converted(batches[0])  # the graph runs with the new bias
+
+
+def test_apply_rejects_a_module_that_is_not_a_graph():
+    with pytest.raises(TypeError, match="calib.apply: prepared must be the GraphModule"):
+        calib.apply(nn.Linear(2, 2), [])
+
+
+@pytest.mark.parametrize("spec", [
+    QSpec(INT4, PerGroup(32, 1), "asymmetric", "minval", observer=CurrentMinMaxObserver()),
+    QSpec(INT8, PerChannel(0), "symmetric_narrow", observer=CurrentMinMaxObserver()),
+    QSpec(FP8_E4M3, PerChannel(0), observer=CurrentMinMaxObserver()),
+    QSpec(NVFP4, PerGroup(16, 1), observer=CurrentMinMaxObserver()),
+    QSpec(MXFP4, PerGroup(32, 1), dynamic=True),
+], ids=str)
+def test_column_quantizer_is_the_op_on_the_whole_weight(spec):
+    """GPTQ's column-by-column rounding gives, column for column, what the
+    weight point's op gives on the whole weight (ragged last group included)."""
+    torch.manual_seed(0)
+    point = FakeQuantize(spec)
+    w = torch.randn(24, 80)
+    point(w)
+    point.enable_observer(False)
+    layer = Layer(SimpleNamespace(target=LINEAR), "w", point, w.shape)
+    quantize, columns = layer.column_quantizer(), w.T.unsqueeze(0).contiguous()
+    got = torch.stack([quantize(columns, j)[0] for j in range(w.shape[1])], 1)
+    torch.testing.assert_close(got, point(w), atol=0, rtol=0)
