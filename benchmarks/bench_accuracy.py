@@ -1,6 +1,6 @@
 """Accuracy of every preset on real architectures against torchao's stock
 quantizers, the time of each stage of the flow, and QAT's costs and drift,
-on the model zoo (pt2e_fq/app/zoo.py: torchvision,
+on the model zoo (benchmarks/zoo.py: torchvision,
 timm and Hugging Face classes at toy sizes, random init).
 
 PTQ table, one row per model and preset: our quantizer through the
@@ -9,7 +9,7 @@ batches, pipeline.convert), the SQNR of the converted model's outputs
 against the float model's on held-out batches; beside it the SQNR of
 torchao's stock XNNPACKQuantizer and X86InductorQuantizer (their int8
 configs, same weights, same calibration batches; for a 4-bit preset the
-same configs with int4 per-channel weights; pt2e_fq/app/accuracy.py);
+same configs with int4 per-channel weights; benchmarks/stock_flows.py);
 `vs stock` gives an integer preset's SQNR gap to the better stock quantizer
 of its weight width with its standard error over the held-out batches
 (accuracy.sqnr_gap), on that quantizer's coverage (X86InductorQuantizer
@@ -57,8 +57,8 @@ from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 from tqdm import tqdm
 
 import pt2e_fq
-from pt2e_fq.app import pipeline, zoo
-from pt2e_fq.app.accuracy import (
+import zoo
+from stock_flows import (
     STOCK_QUANTIZERS,
     float_op_types,
     on_stock_coverage,
@@ -68,7 +68,8 @@ from pt2e_fq.app.accuracy import (
     stock_quantize,
     stock_weight_bits,
 )
-from pt2e_fq.app.step_time import step_times
+from pt2e_fq.cli import pipeline
+from pt2e_fq.cli.step_time import step_times
 from pt2e_fq.export import check_onnx, to_onnx
 from quantizers import presets
 

@@ -52,9 +52,9 @@ from bench_ops import median_ms
 from tabulate import tabulate
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-from pt2e_fq.app import pipeline
-from pt2e_fq.app.accuracy import stock_quantizer
-from pt2e_fq.app.models import EncoderBlock
+from pt2e_fq.cli import pipeline
+from stock_flows import stock_quantizer
+from models import EncoderBlock
 from pt2e_fq.export import compile_x86, run_pte, to_executorch, to_qdq
 from pt2e_fq.report import sqnr_db
 from quantizers import presets
@@ -132,7 +132,7 @@ DEFAULT_MODELS = ["conv", "block"]
 
 
 def _stock(model, example, calibration, name: str):
-    """torchao's stock flow with quantizer `name` (pt2e_fq.app.accuracy's
+    """torchao's stock flow with quantizer `name` (benchmarks.stock_flows's
     default configs), exported at the example's static shape as the
     runtimes take it."""
     prepared = prepare_pt2e(torch.export.export(model, example).module(), stock_quantizer(name))

@@ -9,7 +9,7 @@ median step time (zero_grad, forward, loss, backward with DDP's gradient
 all-reduce, SGD step) over the ranks' medians' maximum, its ratio to the
 1-rank step, the samples per second, the observer all-reduces per step
 (one per synchronised point) and the time in them, measured around
-pt2e_fq.observer_sync.all_reduce_range (gloo's CPU all-reduce returns when
+pt2e_fq._observer_sync.all_reduce_range (gloo's CPU all-reduce returns when
 done), as a share of the step. "2 ranks, sync off" is the same run with
 pt2e_fq.distributed.configure(sync=False): what the synchronisation costs.
 
@@ -30,10 +30,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tabulate import tabulate
 
-from pt2e_fq import observer_sync
+from pt2e_fq import _observer_sync
 import pt2e_fq.distributed as qdist
-from pt2e_fq.app import pipeline
-from pt2e_fq.app.models import EncoderBlock
+from pt2e_fq.cli import pipeline
+from models import EncoderBlock
 
 SIZE = dict(d=128, heads=4, hidden=512)
 SEQ = 32
@@ -47,7 +47,7 @@ def _batch(rank: int, batch: int):
 def _timed_collectives():
     """Wraps the observers' all-reduce to add up its calls and seconds."""
     stats = {"calls": 0, "seconds": 0.0}
-    inner = observer_sync.all_reduce_range
+    inner = _observer_sync.all_reduce_range
 
     def timed(lo, hi, group):
         start = time.perf_counter()
@@ -56,7 +56,7 @@ def _timed_collectives():
         stats["calls"] += 1
         return out
 
-    observer_sync.all_reduce_range = timed
+    _observer_sync.all_reduce_range = timed
     return stats
 
 

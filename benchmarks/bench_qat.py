@@ -36,8 +36,8 @@ from torch._dynamo.utils import counters
 
 import torchao.quantization.pt2e as tao
 from torchao.quantization.pt2e.quantizer import QuantizationSpec
-from pt2e_fq.app import digits, pipeline
-from pt2e_fq.app.models import EncoderBlock, LlamaDecoder
+from pt2e_fq.cli import digits, pipeline
+from models import EncoderBlock, LlamaDecoder
 from quantizers import FakeQuantQuantizer, presets
 
 PRESET = "w8a8"  # what torchao's stock FakeQuantize can express (no int4, no groups)

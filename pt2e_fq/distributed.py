@@ -45,9 +45,9 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import observer_sync
+from . import _observer_sync
 from .fake_quantize import FakeQuantize
-from .observer_sync import all_reduce_range, configure, sync_group
+from ._observer_sync import all_reduce_range, configure, sync_group
 
 __all__ = ["configure", "sync_group", "check_ranks_agree", "reduce_nonfinite_counts", "ddp", "broadcast_buffers",
            "checkpoint_state_dict"]
@@ -59,7 +59,7 @@ def _points(model: torch.nn.Module) -> list[tuple[str, FakeQuantize]]:
 def _group_or_default(group, who: str) -> "dist.ProcessGroup":
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(f"{who}: torch.distributed is not initialised (call torch.distributed.init_process_group first)")
-    return group if group is not None else observer_sync.configured_group()
+    return group if group is not None else _observer_sync.configured_group()
 
 
 def check_ranks_agree(
@@ -146,7 +146,7 @@ def ddp(model: torch.nn.Module, **ddp_kwargs) -> torch.nn.parallel.DistributedDa
     group = sync_group()
     if group is None:
         why = ("torch.distributed is not initialised" if not (dist.is_available() and dist.is_initialized())
-               else "observer sync is off (pt2e_fq.distributed.configure(sync=False))" if not observer_sync.enabled()
+               else "observer sync is off (pt2e_fq.distributed.configure(sync=False))" if not _observer_sync.enabled()
                else "the group has one rank")
         raise RuntimeError(
             f"ddp: the observers would not synchronise ({why}); wrap with DistributedDataParallel "

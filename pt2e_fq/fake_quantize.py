@@ -20,14 +20,14 @@ import torch
 from torchao.quantization.pt2e import FakeQuantizeBase
 from torchao.quantization.pt2e.quantizer import QuantizationSpec
 
-from . import observer_sync
-from .blocks import reduced_shape
+from . import _observer_sync
 from .eval_mode import check_eval_mode
-from .formats import IntFormat
-from .granularity import PerChannel, PerTensor
+from .ops.blocks import reduced_shape
+from .spec.formats import IntFormat
+from .spec.granularity import PerChannel, PerTensor
 from .observers import CurrentMinMaxObserver
-from .qspec import QSpec
-from .schemes import Formulation, Scheme
+from .spec.qspec import QSpec
+from .spec.schemes import Formulation, Scheme
 
 # Buffers that only matter before convert: the observers' running range, the
 # count of non-finite values they ignored and torchao's on/off switches
@@ -281,7 +281,7 @@ class FakeQuantize(FakeQuantizeBase):
             lo, hi = self._observer.observe(x, block_size, running, fake_quantize_range)
         else:
             def reduce_range(lo, hi):
-                return observer_sync.all_reduce_range(lo, hi, sync_group)
+                return _observer_sync.all_reduce_range(lo, hi, sync_group)
 
             lo, hi = self._observer.observe(x, block_size, running, fake_quantize_range, reduce_range)
         if self._observer.keeps_histogram:
@@ -292,7 +292,7 @@ class FakeQuantize(FakeQuantizeBase):
     def _histogram_range(self, x, block_size, old, new, sync_group):
         """HistogramObserver: adds x to the stored histogram (over the new
         running range `new`) and returns the range its search picks."""
-        reduce_sum = None if sync_group is None else (lambda t: observer_sync.all_reduce_sum(t, sync_group))
+        reduce_sum = None if sync_group is None else (lambda t: _observer_sync.all_reduce_sum(t, sync_group))
         histogram = self._observer.accumulate(x, block_size, old, new, self.histogram, reduce_sum)
         self._store("histogram", histogram)
 
@@ -319,7 +319,7 @@ class FakeQuantize(FakeQuantizeBase):
         only observers that keep a running range synchronise (MSE and
         CurrentMinMax see the current tensor, meant for weights, identical
         on every rank)."""
-        return observer_sync.sync_group() if self._observer.keeps_range else None
+        return _observer_sync.sync_group() if self._observer.keeps_range else None
 
     def _observe(self, x: torch.Tensor, sync_group=None) -> None:
         keeps_range = self._observer.keeps_range
@@ -332,7 +332,7 @@ class FakeQuantize(FakeQuantizeBase):
             # and compiling the pieces costs minutes.
             shape = (running[0].shape if x.numel() == 0 and running is not None
                      else reduced_shape(x.shape, self.qspec.range_granularity.block_size(x.shape)))
-            observer_sync.check_shapes_agree(shape, x.device, sync_group, self._describe)
+            _observer_sync.check_shapes_agree(shape, x.device, sync_group, self._describe)
         if x.numel() > 0:  # an empty x (a rank joining the others' reduction) has no shape to check
             self._check_stored_shape(x.shape)
         (lo, hi), qparams = self._range_and_qparams(x, running, sync_group)

@@ -34,7 +34,7 @@ from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e as _torchao_con
 from .eval_mode import (BATCH_NORM, DROPOUTS, SDPA, _SDPA_DROPOUT_P, masked_products, random_masks,
                         restore_batch_norms, sdpa_dropout_p)
 from .fake_quantize import FakeQuantize
-from .inputs import as_args
+from .graph import as_args
 
 aten = torch.ops.aten
 

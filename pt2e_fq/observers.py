@@ -1,7 +1,7 @@
 """Observers: the per-block range [lo, hi] a fake-quant point quantizes to.
 
 An observer is a small frozen config with one method, `observe`. It reduces
-over the blocks of the point's granularity (blocks.reduce_blocks), so every
+over the blocks of the point's granularity (ops/blocks.py: reduce_blocks), so every
 observer works with every granularity, and uses tensor ops only: no
 `.item()`, no branch on a tensor value, no host sync. The FakeQuantize module
 owns the state (the running range of MinMax and MovingAverageMinMax, in its
@@ -22,45 +22,15 @@ from dataclasses import dataclass
 from typing import Callable, ClassVar, Optional, Sequence
 
 import torch
-from .blocks import reduce_blocks, reduced_shape, whole_dims
+
+from .ops.blocks import block_min_max, reduce_blocks, reduced_shape
 
 Range = tuple[torch.Tensor, torch.Tensor]
 # (lo, hi) -> x fake-quantized with the qparams of that range.
 FakeQuantizeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # A batch's per-block range -> the range over every rank's batch
-# (observer_sync.all_reduce_range, bound to a process group).
+# (_observer_sync.all_reduce_range, bound to a process group).
 ReduceRangeFn = Callable[[torch.Tensor, torch.Tensor], Range]
-
-
-def fp32(t: torch.Tensor) -> torch.Tensor:
-    """t as float32. `t.float()` of an fp32 tensor is t itself in eager mode,
-    but torch.export records it (a cast and a metadata assertion), and a
-    dynamic point's qparam ops are traced into every exported graph."""
-    return t if t.dtype == torch.float32 else t.float()
-
-
-def block_min_max(x: torch.Tensor, block_size: Sequence[int]) -> Range:
-    """The fp32 minimum and maximum of the finite values of every block;
-    (+inf, -inf) for a block with none (see the module docstring)."""
-    finite = torch.isfinite(x)
-    lo = reduce_blocks(torch.where(finite, x, math.inf), block_size, torch.amin, math.inf)
-    hi = reduce_blocks(torch.where(finite, x, -math.inf), block_size, torch.amax, -math.inf)
-    return fp32(lo), fp32(hi)
-
-
-def block_abs_max(x: torch.Tensor, block_size: Sequence[int]) -> torch.Tensor:
-    """The fp32 maximum |value| of the finite values of every block, 0 for a
-    block with none: max(|lo|, |hi|) of block_min_max with an empty range
-    read as [0, 0], bit for bit (|x| is exact, and a maximum does not round),
-    in half the ops. Every value reduced is >= +0, so neither the order of the
-    reduction nor a padding 0 can change the result; blocks that span whole
-    dimensions are reduced over those dimensions in place (blocks.whole_dims)."""
-    a = x.abs()
-    a = torch.where(a < math.inf, a, 0.0)  # |x| < inf: x is finite (False for NaN); fewer ops than isfinite
-    whole = whole_dims(a.shape, block_size)
-    if whole is not None and a.numel() > 0:
-        return fp32(torch.amax(a, dim=whole, keepdim=True))
-    return fp32(reduce_blocks(a, block_size, torch.amax, 0.0))
 
 
 def is_empty(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
@@ -91,7 +61,7 @@ class Observer:
     # (HistogramObserver: `accumulate` and `search`).
     keeps_histogram: ClassVar[bool] = False
     dynamic: ClassVar[bool] = False
-    # Whether the fused observe ops (observe_ops.py) reproduce `observe`
+    # Whether the fused observe ops (ops/observe.py) reproduce `observe`
     # (with `fused_averaging_constant`): a subclass with an update of its
     # own stays on the unfused path.
     fusable: ClassVar[bool] = False

@@ -20,9 +20,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from .blocks import expand_blocks, reduce_blocks
-from .float_cast import cast_float
-from .formats import ELEMENTS, NVFP4_BLOCK
+from .ops.blocks import expand_blocks, reduce_blocks
+from .ops.float_cast import cast_float
+from .spec.formats import ELEMENTS, NVFP4_BLOCK
 
 
 def fake_quantize_affine(

@@ -23,7 +23,6 @@ runs on the example inputs saved with it.
 from __future__ import annotations
 
 import copy
-import functools
 import math
 import operator
 import sys
@@ -35,14 +34,24 @@ from tabulate import tabulate
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from .fake_quantize import FakeQuantize, NonFiniteQParamsError, nonfinite_entry
-from .format_kinds import INTEGER, SCALED_FLOAT, OpCall
-from .formats import IntFormat
-from .granularity import PerBlock, PerChannel, PerGroup, PerTensor
-from .inputs import as_args
-from .op_call import decode, decode_node, is_fake_quant_node, program_constants
+from .fake_quantize import FakeQuantize
+from .graph import (
+    as_args,
+    decode,
+    decode_node,
+    float_weight_ops,
+    float_weights_text,
+    is_constant,
+    is_fake_quant_node,
+    point_name,
+    point_role,
+    role,
+)
 from .ops import unpack_mask
-from .schemes import Formulation
+from .spec.format_kinds import INTEGER, SCALED_FLOAT, OpCall
+from .spec.formats import IntFormat
+from .spec.granularity import PerBlock, PerChannel, PerGroup, PerTensor
+from .spec.schemes import Formulation
 
 
 def _copy(value):
@@ -84,101 +93,6 @@ class _Run(torch.fx.Interpreter):
             return super().call_module(target, args, kwargs)
         finally:
             self.calls.current = None
-
-
-def _is_constant(node: torch.fx.Node) -> bool:
-    """A get_attr, or ops on get_attrs only (the QAT scaled conv weight)."""
-    if node.op == "get_attr":
-        return True
-    return node.op == "call_function" and all(
-        _is_constant(a) for a in node.all_input_nodes
-    ) and bool(node.all_input_nodes)
-
-
-def weight_readers(gm: torch.fx.GraphModule, is_point) -> dict[str, tuple[tuple, list[torch.fx.Node]]]:
-    """{weight: (its shape, its readers)} for every float parameter or
-    buffer of `gm` with two or more dimensions (not a bias or norm scale):
-    its readers are the first nodes on each of its ways through the graph
-    that are points (`is_point(node)`) or compute with more than constants
-    (a weight passes through its views, the QAT conv-bn scaling and a
-    program's fake-quant call on constants before it meets its op)."""
-    found = {}
-    for node in gm.graph.nodes:
-        if node.op != "get_attr":
-            continue
-        value = functools.reduce(getattr, node.target.split("."), gm)
-        if not (isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() >= 2):
-            continue
-        readers, todo = [], list(node.users)
-        while todo:
-            user = todo.pop(0)
-            if is_point(user) or not _is_constant(user):
-                if user.op != "output" and user not in readers:
-                    readers.append(user)
-            else:
-                todo += list(user.users)
-        found[node.target] = (tuple(value.shape), readers)
-    return found
-
-
-def float_weight_ops(gm: torch.fx.GraphModule, is_point) -> list[dict]:
-    """The ops that read a weight (see weight_readers) with no point on the
-    way: {op (node name), target (the op), module (path), weights [(name, shape)]}."""
-    ops: dict[torch.fx.Node, dict] = {}
-    for name, (shape, readers) in weight_readers(gm, is_point).items():
-        for reader in readers:
-            if not is_point(reader):
-                entry = ops.setdefault(reader, dict(op=reader.name, target=_target_name(reader),
-                                                    module=_module_path(reader), weights=[]))
-                entry["weights"].append((name, shape))
-    return list(ops.values())
-
-
-def float_weights_text(ops: list[dict]) -> str:
-    """The warning of float_weight_ops, or "" where there is none."""
-    if not ops:
-        return ""
-    where = "; ".join(f"{o['op']} ({o['target']}) in module '{o['module']}': "
-                      + ", ".join(f"{n} {tuple(shape)}" for n, shape in o["weights"]) for o in ops)
-    return f"{len(ops)} op(s) with weights stay in float, no fake-quant point on their weights: {where}"
-
-
-def _target_name(node: torch.fx.Node) -> str:
-    return getattr(node.target, "_opname", None) or str(node.target)
-
-
-def _module_path(node: torch.fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack")
-    if stack:
-        return list(stack.values())[-1][0]
-    if node.op == "get_attr":
-        return node.target.rpartition(".")[0]
-    return ""
-
-
-def role(point: torch.fx.Node) -> tuple[str, str]:
-    """(module path, role) of a fake-quant call_module node."""
-    return _role(point.args[0], point)
-
-
-def _role(src: torch.fx.Node, point: torch.fx.Node) -> tuple[str, str]:
-    """(module path, role) of a point reading `src`, whose fake-quantized
-    value is the node `point` (a call_module, or getitem 0 of an op call)."""
-    users = list(point.users)
-    if _is_constant(src):
-        user = users[0]
-        # A constant operand is a weight (linear, conv, embedding, matmul), except a bias
-        # (argument 2; addmm(bias, x, weight): argument 0).
-        bias_arg = 0 if user.target is torch.ops.aten.addmm.default else 2
-        kind = "bias" if point in user.args and list(user.args).index(point) == bias_arg else "weight"
-        return _module_path(user), f"{kind} of {user.name}"
-    consumers = [u.name for u in users if u.op != "output"]
-    if src.op == "placeholder":
-        return (_module_path(users[0]) if consumers else ""), f"input of {', '.join(consumers)}"
-    text = f"output of {src.name}"
-    if consumers:
-        text += f", input of {', '.join(consumers)}"
-    return _module_path(src), text
 
 
 def _bytes(t: Optional[torch.Tensor], bits: float) -> float:
@@ -229,8 +143,8 @@ class Report:
             call: Optional[tuple], x: Optional[torch.Tensor], nonfinite: Optional[int] = None) -> None:
         """One row, from the point's op call (op, arguments, outputs) on its
         input x; call None: the point did not run."""
-        module_path, point_role = module_and_role
-        row = dict(point=point, module=module_path, role=point_role, format=fmt, granularity=granularity,
+        module, what = module_and_role
+        row = dict(point=point, module=module, role=what, format=fmt, granularity=granularity,
                    scale=None, zero_point=None, minval=None, clipped=None, sqnr_db=None, nonfinite=nonfinite)
         if call is not None:
             func, op_args, out = call
@@ -243,7 +157,7 @@ class Report:
                        minval=_range(op_call.minval))
             row["clipped"] = 1.0 - unpack_mask(packed, x.shape).float().mean().item() if x.numel() else 0.0
             row["sqnr_db"] = sqnr_db(x, y)
-            if point_role.startswith(("weight", "bias")):
+            if what.startswith(("weight", "bias")):
                 self.quantized_weights += 1
                 self.quantized_weight_bytes += _bytes(x, bits) + qparam_bytes - x.numel() * x.element_size()
         self.rows.append(row)
@@ -375,21 +289,11 @@ def _report_program(program: torch.export.ExportedProgram, example_inputs, file)
         op_call = decode(func, op_args)
         fmt_text, granularity = _describe(op_call, node)
         value = next((u for u in node.users if u.target is operator.getitem and u.args[1] == 0), node)
-        result.add(_point_name(node), _role(node.args[0], value), fmt_text, granularity, op_call.format.bits, call,
+        result.add(point_name(node), point_role(node.args[0], value), fmt_text, granularity, op_call.format.bits, call,
                    op_args[0])
     if file is not None:
         print(result.table(), file=file)
     return result
-
-
-def _point_name(node: torch.fx.Node) -> str:
-    """The FakeQuantize module the call was traced from (its path, e.g.
-    `activation_post_process_3`, kept in the node's nn_module_stack through
-    save and load), else the node's name."""
-    for path, type_name in reversed(list((node.meta.get("nn_module_stack") or {}).values())):
-        if type_name.endswith(f"{FakeQuantize.__module__}.{FakeQuantize.__qualname__}"):
-            return path
-    return node.name
 
 
 def _describe(call: OpCall, node: torch.fx.Node) -> tuple[str, str]:
@@ -403,7 +307,7 @@ def _describe(call: OpCall, node: torch.fx.Node) -> tuple[str, str]:
         text = fmt.name
     if call.kind in (INTEGER, SCALED_FLOAT):
         scale = decode_node(node).scale
-        dynamic = isinstance(scale, torch.fx.Node) and not _is_constant(scale)
+        dynamic = isinstance(scale, torch.fx.Node) and not is_constant(scale)
         return text, _granularity(x.shape, call.block_size) + (" dynamic" if dynamic else "")
     dynamic = call.global_scale is None  # MX has none: its scales always come from the kernel
     granularity = PerGroup(call.block_size[call.axis], call.axis)
@@ -433,27 +337,3 @@ def _format(spec) -> str:
         if spec.formulation is Formulation.MINVAL:
             text += " minval"
     return text
-
-
-def check_finite_qparams(program: torch.export.ExportedProgram, who: str) -> None:
-    """Raises NonFiniteQParamsError naming (FakeQuantize path, module and
-    role) every fake-quant call of `program` whose constant qparams hold a
-    NaN or Inf: such a file would compute NaN (or refuse to run) for every
-    input. `who` names the caller in the message (e.g. "save", "to_onnx").
-    Computed qparams (dynamic points) are not constants and not checked."""
-    constants = program_constants(program)
-    found = []
-    for node in program.graph.nodes:
-        if not is_fake_quant_node(node):
-            continue
-        call = decode_node(node, constants)
-        bad = [e for n, t in call.qparams.items() if isinstance(t, torch.Tensor) for e in [nonfinite_entry(n, t)] if e]
-        if bad:
-            value = next((u for u in node.users if u.target is operator.getitem and u.args[1] == 0), node)
-            module_path, point_role = _role(node.args[0], value)
-            found.append(f"{_point_name(node)} ({module_path or 'model'}: {point_role}) has {', '.join(bad)}")
-    if found:
-        raise NonFiniteQParamsError(
-            f"{who}: {len(found)} fake-quant point(s) have non-finite qparams: {'; '.join(found)}; "
-            "recalibrate on data with finite values or set finite qparams before exporting"
-        )

@@ -26,7 +26,7 @@ from typing import Optional, Union
 from torch.fx import GraphModule, Node
 
 from pt2e_fq import IntFormat, PerBlock, PerChannel, PerGroup, PerTensor, QSpec
-from pt2e_fq.report import float_weight_ops
+from pt2e_fq.graph import float_weight_ops
 
 from .config import OpConfig, QuantizerConfig
 from .patterns import AVERAGING_POOLS, CONV_OPS, WEIGHT, OpMatch, activation_ops, match, passes_grid, residual_add
@@ -35,7 +35,7 @@ EdgeOrNode = Union[Node, tuple[Node, Node]]
 
 
 @dataclass(frozen=True)
-class Point:
+class PlannedPoint:
     """One quantized tensor: an op's input edge or a node's output. A point
     with `shared_with` uses the fake-quant module of that edge or node."""
 
@@ -48,8 +48,8 @@ class NodeAnnotation:
     """What the quantizer writes on one node: its input edges in argument
     order (None: not quantized here) and its output point."""
 
-    inputs: dict[Node, Optional[Point]] = field(default_factory=dict)
-    output: Optional[Point] = None
+    inputs: dict[Node, Optional[PlannedPoint]] = field(default_factory=dict)
+    output: Optional[PlannedPoint] = None
 
 
 @dataclass
@@ -57,7 +57,7 @@ class PlannedInput:
     arg: Node
     role: str
     qspec: Optional[QSpec]  # None: left in float
-    point: Optional[Point] = None  # a new or shared point on this edge
+    point: Optional[PlannedPoint] = None  # a new or shared point on this edge
     reuses: Optional[EdgeOrNode] = None  # already quantized there with this QSpec
 
 
@@ -81,7 +81,7 @@ class PlannedOp:
 class Plan:
     """ops: every op an op config can reach; float_weight_ops: the ops that
     read a weight (two or more dimensions) and that no op pattern covers, so
-    no config can quantize it (pt2e_fq.report.float_weight_ops)."""
+    no config can quantize it (pt2e_fq.graph.float_weight_ops)."""
 
     ops: list[PlannedOp] = field(default_factory=list)
     annotations: dict[Node, NodeAnnotation] = field(default_factory=dict)
@@ -193,13 +193,13 @@ class _Walk:
             planned.reuses = done[1]
             return done[1]
         if group_root is not None:  # cat / stack: the group's module, whatever this input had before
-            planned.point = Point(spec, shared_with=group_root)
+            planned.point = PlannedPoint(spec, shared_with=group_root)
             return group_root
         key = (arg, spec)
         if key in self.edge_roots:
-            planned.point = Point(spec, shared_with=self.edge_roots[key])
+            planned.point = PlannedPoint(spec, shared_with=self.edge_roots[key])
         else:
-            planned.point = Point(spec)
+            planned.point = PlannedPoint(spec)
             self.edge_roots[key] = (arg, node)
         return self.edge_roots[key]
 
@@ -244,7 +244,7 @@ class _Walk:
         planned.output_is_model_output = m.output is not None and _only_model_output(m.output)
         if m.output is not None and cfg.output_activation is not None and (
                 self.config.model_output or not planned.output_is_model_output):
-            self.annotation(m.output).output = Point(cfg.output_activation)
+            self.annotation(m.output).output = PlannedPoint(cfg.output_activation)
             self.quantized[m.output] = (cfg.output_activation, m.output)
 
     def _fuses_into_add(self, m: OpMatch, cfg: OpConfig) -> bool:
@@ -267,7 +267,7 @@ class _Walk:
                 self.quantized[node] = self.quantized[node.args[0]]
             elif node.target in AVERAGING_POOLS and self._carries_grid(node.args[0]):
                 spec, root = self.quantized[node.args[0]]
-                self.annotation(node).output = Point(spec, shared_with=root)
+                self.annotation(node).output = PlannedPoint(spec, shared_with=root)
                 self.quantized[node] = (spec, root)
             else:
                 m = match(node, self.activations)

@@ -28,7 +28,7 @@ global scale) keep MinMaxObserver. Bias stays in float.
 | nvfp4  | NVFP4 (blocks of 16, E4M3 scales, per-tensor global scale) | NVFP4, static global scale |
 
 On a convolutional network the 4-bit presets' one-call form
-(pt2e_fq.app.pipeline.quantize) keeps the layers 4 bits cannot carry at
+(pt2e_fq.cli.pipeline.quantize) keeps the layers 4 bits cannot carry at
 int8 per-channel weights, as deployed int4 models do: the first conv, the
 depthwise convs and the classifier (the last linear), with `int8_edges`;
 and it runs the post-training algorithms of PTQ_ALGORITHMS
@@ -69,8 +69,8 @@ from pt2e_fq import (
     PerTensor,
     QSpec,
 )
-from pt2e_fq.export.qdq import XNNPACK_FUSED_ACTIVATIONS
-from pt2e_fq.format_kinds import MX, kind_of
+from pt2e_fq.export.lowering.qdq import XNNPACK_FUSED_ACTIVATIONS
+from pt2e_fq.spec.format_kinds import MX, kind_of
 
 from .config import OpConfig, QuantizerConfig
 from .patterns import CONV_OPS

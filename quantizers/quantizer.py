@@ -19,12 +19,12 @@ from torch.fx import GraphModule, Node
 from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, Quantizer, SharedQuantizationSpec
 
 from pt2e_fq import QSpec
-from pt2e_fq.blocks import reduced_shape
 from pt2e_fq.eval_mode import record_batch_norms, restore_batch_norms
-from pt2e_fq.report import float_weights_text
+from pt2e_fq.ops.blocks import reduced_shape
+from pt2e_fq.graph import float_weights_text
 
 from .config import OP_CONFIG_KEYS, QuantizerConfig
-from .plan import Plan, PlannedInput, Point, build_plan, module_stack, node_or_edge_name
+from .plan import Plan, PlannedInput, PlannedPoint, build_plan, module_stack, node_or_edge_name
 
 # What the fused op takes (docs/fake_quantize.md).
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -123,7 +123,7 @@ class FakeQuantQuantizer(Quantizer):
             warnings.warn(f"FakeQuantQuantizer: {float_weights_text(plan.float_weight_ops)}", stacklevel=2)
         specs: dict[QSpec, object] = {}
 
-        def torchao_spec(point: Optional[Point]):
+        def torchao_spec(point: Optional[PlannedPoint]):
             if point is None:
                 return None
             if point.shared_with is not None:
@@ -158,7 +158,7 @@ class FakeQuantQuantizer(Quantizer):
             )
 
     @staticmethod
-    def _problem(tensor: Node, point: Point) -> Optional[str]:
+    def _problem(tensor: Node, point: PlannedPoint) -> Optional[str]:
         spec = point.qspec
         shape, dtype = _tensor_shape_dtype(tensor)
         if dtype not in SUPPORTED_DTYPES:

@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 
 import pt2e_fq  # noqa: F401  (registers torch.ops.pt2e_fq)
 from pt2e_fq import ops, reference
-from pt2e_fq.app.zoo import allow_torchvision_import
-from pt2e_fq.blocks import reduced_shape
+from pt2e_fq.ops.blocks import reduced_shape
+from pt2e_fq.plugins.torchvision import allow_torchvision_import
 
 # The models extra installs torchvision, whose PyPI wheel cannot load its C ops
 # beside a CPU torch; transformers' modeling_utils imports it wherever it is
@@ -255,11 +255,11 @@ def dtype(request):
 
 
 def cli_main(capsys, *args):
-    """pt2e_fq.app.cli.main(args) in this process: (exit status, stdout, stderr)."""
-    from pt2e_fq.app import cli
+    """pt2e_fq.cli.command.main(args) in this process: (exit status, stdout, stderr)."""
+    from pt2e_fq.cli import command
 
     try:
-        rc = cli.main(list(args))
+        rc = command.main(list(args))
     except SystemExit as e:  # argparse
         rc = e.code
     out, err = capsys.readouterr()

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from ..fake_quantize import FakeQuantize
-from ..format_kinds import INTEGER, MX, NVFP4, SCALED_FLOAT
+from ..spec.format_kinds import INTEGER, MX, NVFP4, SCALED_FLOAT
 
 aten = torch.ops.aten
 LINEAR, CONV2D = aten.linear.default, aten.conv2d.default

@@ -24,7 +24,7 @@ import torch
 from torch.fx.node import map_arg
 
 from ..fake_quantize import FakeQuantize
-from ..op_call import decode_node, is_fake_quant_node
+from ..graph import decode_node, is_fake_quant_node
 
 aten = torch.ops.aten
 _CONVS = {

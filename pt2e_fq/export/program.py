@@ -14,7 +14,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from ..fake_quantize import FakeQuantize
-from ..inputs import as_args
+from ..graph import as_args
 from .bn_fold import fold_conv_bn, has_conv_bn
 
 

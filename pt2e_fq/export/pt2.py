@@ -28,7 +28,7 @@ import torch.utils._pytree as pytree
 
 from ..eval_mode import check_eval_mode
 from ..files import atomic_write, check_writable
-from ..report import check_finite_qparams
+from ..graph import check_finite_qparams
 from .program import exported_program
 
 # The modules `load` imports when a file names a pytree type of theirs that

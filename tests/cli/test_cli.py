@@ -18,7 +18,7 @@ import torch
 from tests.models.quantizer import sqnr_db, single_thread  # noqa: F401 (an autouse fixture: one thread)
 
 import pt2e_fq
-from pt2e_fq.app import cli
+from pt2e_fq.cli import command
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -162,14 +162,14 @@ def test_calib_batches_must_match_the_example_but_for_the_batch_size(capsys, tmp
 
 
 def test_example_input_shapes():
-    x, y = cli.example_inputs("2x3,4")
+    x, y = command.example_inputs("2x3,4")
     assert x.shape == (2, 3) and y.shape == (4,) and x.dtype == torch.float32
 
 
 def test_calibration_tensor_is_split_into_example_sized_batches(tmp_path):
     path = tmp_path / "calib.pt"
     torch.save(torch.arange(20.0).reshape(20, 1), path)
-    batches = cli.calibration_batches(str(path), (torch.zeros(8, 1),))
+    batches = command.calibration_batches(str(path), (torch.zeros(8, 1),))
     assert [b[0].shape[0] for b in batches] == [8, 8, 4]
     assert torch.equal(torch.cat([b[0] for b in batches]), torch.arange(20.0).reshape(20, 1))
 

@@ -87,7 +87,7 @@ def test_pte_puts_a_point_between_a_linear_and_its_gelu(capsys, tmp_path):
 def test_a_preset_is_laid_out_for_the_target():
     import argparse
 
-    from pt2e_fq.app.cli import quantizer_config
+    from pt2e_fq.cli.command import quantizer_config
 
     def config(**kw):
         return quantizer_config(argparse.Namespace(**{"preset": "w8a8", "config": None, "pte": None,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from tests.export.test_export_executorch import MISSING
 
-from pt2e_fq.app import demo
+from pt2e_fq.cli import demo
 
 
 @pytest.mark.slow

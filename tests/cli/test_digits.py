@@ -7,8 +7,8 @@ import torch
 from tests.models.quantizer import single_thread  # noqa: F401 (an autouse fixture: one thread)
 import torch.nn as nn
 
-from pt2e_fq.app import digits
-from pt2e_fq.app.step_time import step_times
+from pt2e_fq.cli import digits
+from pt2e_fq.cli.step_time import step_times
 
 
 def test_load_splits_all_1797_images_keeping_the_classes():

@@ -1,4 +1,4 @@
-"""pt2e_fq.app.pipeline: the PT2E flow in a few calls, against the float model."""
+"""pt2e_fq.cli.pipeline: the PT2E flow in a few calls, against the float model."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 import torch.nn as nn
 from tests.models.quantizer import fake_quant_modules, sqnr_db, single_thread  # noqa: F401 (an autouse fixture: one thread)
 
-from pt2e_fq.app import pipeline
+from pt2e_fq import FakeQuantize
+from pt2e_fq.cli import pipeline
 from quantizers import FakeQuantQuantizer, presets
 
 

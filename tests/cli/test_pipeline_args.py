@@ -11,7 +11,7 @@ from tests.conftest import cli_main
 from tests.models.quantizer import single_thread, sqnr_db  # noqa: F401 (an autouse fixture)
 
 import pt2e_fq
-from pt2e_fq.app import pipeline
+from pt2e_fq.cli import pipeline
 
 
 class _StarArgs(nn.Module):

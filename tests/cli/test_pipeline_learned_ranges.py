@@ -14,7 +14,7 @@ import torch
 from tests.models import cli as cli_models
 from tests.conftest import cli_main
 import pt2e_fq as q
-from pt2e_fq.app import pipeline
+from pt2e_fq.cli import pipeline
 from pt2e_fq.fake_quantize import FakeQuantize
 from quantizers import OpConfig, QuantizerConfig
 

@@ -20,7 +20,7 @@ import torch
 from tests.conftest import cli_main
 from tests.models.quantizer import single_thread  # noqa: F401 (an autouse fixture: one thread)
 
-from pt2e_fq.app import pipeline
+from pt2e_fq.cli import pipeline
 from pt2e_fq.export import check_lowered, run_pte, to_executorch
 
 try:

@@ -22,6 +22,7 @@ from tests.cuda_sim.kernel_cases import (
 
 from tests.conftest import FLOAT_DTYPES, assert_bits_equal, make_case, requires_cuda_kernels
 from pt2e_fq import ops, reference
+from pt2e_fq.ops import _checks
 
 pytestmark = requires_cuda_kernels
 
@@ -125,7 +126,7 @@ def test_mx_cuda_equals_cpu(shape, fmt, dtype, layout):
     x = block_input(dims, dtype, seed=7)
 
     def fn(x):
-        return torch.ops.pt2e_fq.fake_quantize_mx(x, ops._elem_format("fake_quantize_mx", "elem_dtype", fmt), 32, axis)
+        return torch.ops.pt2e_fq.fake_quantize_mx(x, _checks._elem_format("fake_quantize_mx", "elem_dtype", fmt), 32, axis)
 
     if layout == "empty":
         x, layout = x.narrow(axis, 0, 0), "contiguous"
@@ -318,8 +319,8 @@ def test_op_forward_and_backward_make_no_host_sync(name, dtype):
 def test_qat_step_on_cuda_makes_no_host_sync(preset):
     from torchao.quantization.pt2e.quantize_pt2e import prepare_qat_pt2e
 
-    from pt2e_fq.app.models import CNN, EncoderBlock
-    from pt2e_fq.app.pipeline import quantizer_for
+    from benchmarks.models import CNN, EncoderBlock
+    from pt2e_fq.cli.pipeline import quantizer_for
 
     torch.manual_seed(0)
     model, x = (EncoderBlock(d=64, hidden=128), torch.randn(4, 8, 64)) if preset != "w8a8" else (CNN(), torch.randn(4, 3, 8, 8))
@@ -344,7 +345,7 @@ def test_step_times_on_cuda_wait_for_the_steps_kernels(monkeypatch):
     # does not wait for them reads the launch time. Asserted on the waits, not
     # on times (a shared GPU machine is too noisy for a timing assertion):
     # every timed step is bracketed by a synchronize of the batch's device.
-    from pt2e_fq.app import step_time
+    from pt2e_fq.cli import step_time
 
     waits = []
     real_synchronize = torch.cuda.synchronize

@@ -35,9 +35,10 @@ from tests.cuda_sim.kernel_cases import (
 
 from tests.conftest import FLOAT_DTYPES, affine_cases, assert_bits_equal, make_case
 from pt2e_fq import observers, ops, reference
-from pt2e_fq.blocks import reduce_blocks
-from pt2e_fq.formats import ELEMENTS
-from pt2e_fq.qparams import int_range_limit
+from pt2e_fq.ops import _checks
+from pt2e_fq.ops.blocks import block_min_max, reduce_blocks
+from pt2e_fq.spec.formats import ELEMENTS
+from pt2e_fq.spec.qparams import int_range_limit
 
 # Every kernel variant through the ASan-built harness, a process per case: minutes.
 pytestmark = pytest.mark.slow
@@ -278,8 +279,8 @@ def test_learned_scale_floor_is_the_same_bits_in_the_kernels(driver, tmp_path, m
     # eps (the floor convert freezes); the kernels take that floor as the
     # CPU does: y, mask and dx the same bits as a training forward on the CPU.
     from pt2e_fq import FakeQuantize, QSpec
-    from pt2e_fq.formats import INT8
-    from pt2e_fq.granularity import PerChannel
+    from pt2e_fq.spec.formats import INT8
+    from pt2e_fq.spec.granularity import PerChannel
 
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(5))
     point = FakeQuantize(QSpec(INT8, PerChannel(0), "asymmetric", learnable=True))
@@ -377,7 +378,7 @@ def test_observe_kernels_equal_the_observers_and_cuda_qparams(driver, tmp_path, 
     else:
         qmin, qmax = -127, 127
     # A running range from an earlier batch; block 0 never saw a finite value.
-    lo, hi = observers.block_min_max(_observe_input(shape, dtype, seed=99) * 0.5, block)
+    lo, hi = block_min_max(_observe_input(shape, dtype, seed=99) * 0.5, block)
     lo[(0,) * lo.dim()], hi[(0,) * hi.dim()] = math.inf, -math.inf
     count = torch.tensor([5], dtype=torch.int64)
     affine = kind in SCHEMES
@@ -396,7 +397,7 @@ def test_observe_kernels_equal_the_observers_and_cuda_qparams(driver, tmp_path, 
     simulate(driver, case)
 
     observer = observers.MinMaxObserver() if averaging is None else observers.MovingAverageMinMaxObserver(averaging)
-    lo_ref, hi_ref = observer.update((lo, hi), observers.block_min_max(x, block))
+    lo_ref, hi_ref = observer.update((lo, hi), block_min_max(x, block))
     assert_bits_equal(case.output("min_val_out.bin", torch.float32, lo.shape), lo_ref)
     assert_bits_equal(case.output("max_val_out.bin", torch.float32, hi.shape), hi_ref)
     assert int(case.output("nonfinite_out.bin", torch.int64, (1,))) == 5 + int((~torch.isfinite(x)).sum())
@@ -425,7 +426,7 @@ def test_float_kernel_equals_cpu(driver, tmp_path, variant, fmt, dtype, placemen
     x = with_specials((torch.randn(shape, generator=g) * reference.FLOAT_FORMATS[fmt][0] * 0.3).to(dtype), seed=5)
     if placement == "empty":
         x, scale = x[:0], scale[:0]
-    name = ops._elem_format("fake_quantize_float", "dtype", fmt)
+    name = _checks._elem_format("fake_quantize_float", "dtype", fmt)
     expected = torch.ops.pt2e_fq.fake_quantize_float(x, list(block), scale, name)
     case = Case(tmp_path, "float", "float", x, placement, block=",".join(map(str, block)), fmt=name)
     case.put("scale.bin", scale)
@@ -442,7 +443,7 @@ def block_scaled_input(shape, axis, dtype, placement, seed):
 )
 def test_mx_kernel_equals_cpu(driver, tmp_path, shape, fmt, dtype, placement):
     x, axis = block_scaled_input(shape[1], shape[2], dtype, placement, seed=7)
-    name = ops._elem_format("fake_quantize_mx", "elem_dtype", fmt)
+    name = _checks._elem_format("fake_quantize_mx", "elem_dtype", fmt)
     y, mask, scales = torch.ops.pt2e_fq.fake_quantize_mx(x, name, 32, axis)
     case = Case(tmp_path, "mx", "mx", x, placement, fmt=name, block=32, axis=axis)
     assert_forward_and_backward(driver, tmp_path, case, (y, mask), placement, [("scales.bin", scales)])

@@ -30,7 +30,7 @@ import torch.utils._pytree as pytree
 from tests.models.quantizer import single_thread  # noqa: F401 (an autouse fixture: one thread)
 
 import pt2e_fq
-from pt2e_fq.app import cli, pipeline
+from pt2e_fq.cli import command, pipeline
 from pt2e_fq.export import to_onnx
 from pt2e_fq.files import WriteError
 
@@ -206,7 +206,7 @@ def test_cli_quantize_to_a_full_disk_exits_1_with_one_line(flag, name, tmp_path)
 def test_cli_quantize_failed_write_keeps_the_old_file(tmp_path, monkeypatch, capsys):
     path = _old_file(tmp_path / "model.pt2")
     monkeypatch.setattr(torch.export, "save", _failing_writer(".pt2"))
-    rc = cli.main(["quantize", "--model", "tests.models.cli:tiny_mlp", "--example-input", "8x16", "--preset", "w8a8",
+    rc = command.main(["quantize", "--model", "tests.models.cli:tiny_mlp", "--example-input", "8x16", "--preset", "w8a8",
                    "--no-progress", "--out", str(path)])
     err = capsys.readouterr().err
     assert rc == 1

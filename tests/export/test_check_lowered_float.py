@@ -2,8 +2,8 @@
 
 The presets leave a model's outputs float (no point produces the logits),
 so a check of quantized outputs only passed anything. Float outputs are
-judged by their SQNR against the converted model (qdq_check.MIN_FLOAT_SQNR_DB,
-30 dB). On the demo CNN (the digits CNN, w8a8) and a transformer block
+judged by their SQNR against the converted model (lowering/check.py
+MIN_FLOAT_SQNR_DB, 30 dB). On the demo CNN (the digits CNN, w8a8) and a transformer block
 (w8a8): the correct lowering passes; a lowered program with a q/dq scale or
 zero point off, a weight changed, another model's weights, or a function
 returning zeros fails. The command exits 1 with one line when the check
@@ -19,9 +19,10 @@ import torch
 from tests.conftest import cli_main
 from tests.models.quantizer import single_thread  # noqa: F401 (an autouse fixture: one thread)
 
-from pt2e_fq.app import digits, pipeline
-from pt2e_fq.app.models import EncoderBlock
-from pt2e_fq.export import check_lowered, qdq_check, to_qdq
+from pt2e_fq.cli import digits, pipeline
+from benchmarks.models import EncoderBlock
+from pt2e_fq.export import check_lowered, to_qdq
+from pt2e_fq.export.lowering import check as lowered_check
 
 qd = torch.ops.quantized_decomposed
 
@@ -108,7 +109,7 @@ def test_a_wrong_scale_zero_point_or_weight_fails(lowered, mutation):
     assert not check.ok, f"{name}, {mutation}:\n{check}"
     (problem,) = check.problems()
     assert problem.startswith("output 0 has an SQNR of ") and problem.endswith(" dB against ours (at least 30 dB)")
-    assert check.outputs[0].sqnr_db < qdq_check.MIN_FLOAT_SQNR_DB - 3, str(check)  # not a near miss
+    assert check.outputs[0].sqnr_db < lowered_check.MIN_FLOAT_SQNR_DB - 3, str(check)  # not a near miss
 
 
 def test_another_model_or_zeros_fail(lowered):
@@ -161,7 +162,7 @@ def _negated_weights(real):
 def test_cli_exits_1_with_one_line_when_the_check_fails(flag, capsys, tmp_path, monkeypatch):
     """The command prints the table, then one line, and exits 1."""
     import pt2e_fq.export as export
-    from pt2e_fq.export import executorch
+    from pt2e_fq.export.lowering import executorch
 
     if flag == "--target":
         monkeypatch.setattr(export, "to_qdq", _negated_weights(export.to_qdq))

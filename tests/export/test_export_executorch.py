@@ -116,7 +116,7 @@ def test_without_executorch_the_error_names_the_extra(monkeypatch, tmp_path):
     real_import = builtins.__import__
 
     def no_executorch(name, globals=None, locals=None, fromlist=(), level=0):
-        if level == 0 and name.startswith("executorch"):  # not pt2e_fq.export.executorch
+        if level == 0 and name.startswith("executorch"):  # not pt2e_fq.export.lowering.executorch
             raise ImportError(f"No module named {name!r}")
         return real_import(name, globals, locals, fromlist, level)
 
@@ -142,7 +142,7 @@ class ConvPoolConv(torch.nn.Module):
 
 
 def _conv_pool_conv():
-    from pt2e_fq.app import pipeline
+    from pt2e_fq.cli import pipeline
 
     torch.manual_seed(0)
     batches = [(torch.randn(4, 1, 8, 8),) for _ in range(3)]
@@ -163,7 +163,7 @@ def test_a_max_pool_between_a_dequantize_and_a_conv_is_passed_through(tmp_path):
 def test_a_dequantize_xnnpack_leaves_outside_is_an_error_before_writing(tmp_path, monkeypatch):
     # Without the max pool pass-through, the second conv reads pool(dq(...)),
     # which XNNPACK does not quantize: its weight dequantize stays outside.
-    from pt2e_fq.export import qdq
+    from pt2e_fq.export.lowering import qdq
 
     monkeypatch.setattr(qdq, "_PASS_THROUGH", qdq._PASS_THROUGH - {torch.ops.aten.max_pool2d.default})
     with pytest.raises(UnsupportedPointError, match=r"XNNPACK did not take 1 quantize/dequantize node.*read by"):
@@ -190,8 +190,8 @@ def test_a_transformer_block_runs_with_the_linear_before_gelu_in_float(tmp_path)
 
 @needs_executorch
 def test_a_transformer_block_quantized_for_xnnpack_runs_every_linear_in_int8(tmp_path):
-    from pt2e_fq.app import pipeline
-    from pt2e_fq.app.models import EncoderBlock
+    from pt2e_fq.cli import pipeline
+    from benchmarks.models import EncoderBlock
 
     torch.manual_seed(0)
     block = EncoderBlock().eval()

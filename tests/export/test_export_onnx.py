@@ -176,7 +176,7 @@ def test_dynamic_per_token_activations_with_a_dynamic_batch(activation, tmp_path
 @pytest.mark.parametrize("gran", [q.PerTensor(), q.PerToken(), q.PerChannel(1), q.PerGroup(16)], ids=repr)
 def test_dynamic_fp8_scales_run_bit_for_bit(gran, tmp_path):
     """to_onnx traces a dynamic FP8 point's scale as one op where its blocks
-    span whole dimensions (export/onnx_scale.py; PerGroup takes the ATen
+    span whole dimensions (export/onnx/scale.py; PerGroup takes the ATen
     ops): either way ONNX Runtime computes the scale torch does, so every
     point is bit-exact, NaN and +-Inf included."""
     shape = (2, 4, 64)

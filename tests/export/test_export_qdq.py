@@ -17,8 +17,8 @@ from tests.models.simple_quantizer import ConvLinear
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
 import pt2e_fq as q
-from pt2e_fq.app import pipeline
-from pt2e_fq.app.models import CNN, EncoderBlock
+from pt2e_fq.cli import pipeline
+from benchmarks.models import CNN, EncoderBlock
 from pt2e_fq.export import UnsupportedPointError, check_lowered, compile_x86, to_qdq
 from pt2e_fq.fake_quantize import FakeQuantize
 from quantizers import presets
@@ -257,7 +257,7 @@ def _inductor_calls(compiled, x) -> list:
 
 @pytest.mark.slow
 def test_the_x86_inductor_preset_compiles_the_block_as_the_stock_flow_does():
-    from pt2e_fq.app.accuracy import stock_quantize
+    from benchmarks.stock_flows import stock_quantize
 
     torch.manual_seed(0)
     block = EncoderBlock().eval()

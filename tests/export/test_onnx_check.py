@@ -23,12 +23,14 @@ from onnx import numpy_helper
 
 from tests.models.quantized import fake_quant_nodes
 
-from pt2e_fq.app import pipeline
-from pt2e_fq.app.models import MLP
-from pt2e_fq.export import check_onnx, to_onnx
-from pt2e_fq.export import onnx_check
-from pt2e_fq.export.onnx import POINTS_METADATA
-from pt2e_fq.export.onnx_check import FLOAT_OUTPUT_RTOL, FUSED_FLOAT_OUTPUT_MIN_SQNR_DB, first_divergence
+from benchmarks.models import MLP
+from pt2e_fq.cli import pipeline
+from pt2e_fq.export import OnnxMismatch, check_onnx, to_onnx
+from pt2e_fq.export.onnx import points, session
+from pt2e_fq.export.onnx.check import FUSED_FLOAT_OUTPUT_MIN_SQNR_DB
+from pt2e_fq.export.onnx.divergence import first_divergence
+from pt2e_fq.export.onnx.export import POINTS_METADATA
+from pt2e_fq.export.onnx.points import FLOAT_OUTPUT_RTOL
 from pt2e_fq.export.output_diff import output_diff
 from quantizers import presets
 
@@ -154,7 +156,7 @@ def test_an_output_column_steps_off_fails_the_end_to_end_bound(tmp_path):
     shift = np.zeros(4)
     shift[1] = 2.5 * step
     _shift_bias(path, "head.bias", shift)
-    with pytest.raises(AssertionError, match=r"output 0 differs from torch with ORT graph optimisations off by 1\.[12]"):
+    with pytest.raises(OnnxMismatch, match=r"output 0 differs from torch with ORT graph optimisations off by 1\.[12]"):
         check_onnx(path, converted, (x,))
 
 
@@ -318,7 +320,7 @@ def test_orts_int32_bias_rounding_explains_the_flips_it_causes(tmp_path, monkeyp
     assert result.cascade is not None and result.cascade.explained and result.cascade.point == cascade.point
     assert "explained" in str(result)
     # The cause: with ORT's WeightBiasQuantization pass off, the optimised run flips nothing.
-    monkeypatch.setattr(onnx_check, "ORT_DISABLED_OPTIMIZERS", onnx_check.ORT_DISABLED_OPTIMIZERS + (
+    monkeypatch.setattr(session, "ORT_DISABLED_OPTIMIZERS", session.ORT_DISABLED_OPTIMIZERS + (
         "WeightBiasQuantization",))
     assert first_divergence(path, converted, (x,), optimized=True) is None
 
@@ -351,7 +353,7 @@ def test_a_wrong_scale_in_the_file_fails_the_strict_check(tmp_path):
     (scale,) = [t for t in file.graph.initializer if t.name == scale_name]
     scale.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(scale) * np.float32(1.01), scale_name))
     onnx.save(file, path)
-    with pytest.raises(AssertionError, match="differs from torch in ONNX Runtime on the same input.*bit-exact"):
+    with pytest.raises(OnnxMismatch, match="differs from torch in ONNX Runtime on the same input.*bit-exact"):
         check_onnx(path, converted, (x,))
 
 
@@ -374,7 +376,7 @@ def test_a_weight_only_float_output_past_float_rounding_is_held_to_torchs_own_er
     file passes it (measured on this MLP: ORT 1.0 to 1.4 times torch's
     float32 error)."""
     converted, x, path = _weight_only_mlp(tmp_path)
-    monkeypatch.setattr(onnx_check, "FLOAT_OUTPUT_RTOL", 0.0)
+    monkeypatch.setattr(points, "FLOAT_OUTPUT_RTOL", 0.0)
     result = check_onnx(path, converted, (x,))
     assert all(d.max_steps is None and d.max_abs_diff > 0 for d in result.unoptimized + result.optimized)
 
@@ -391,3 +393,8 @@ def test_a_weight_only_file_off_by_more_than_float_rounding_fails_against_float6
     match = r"from the float64 run ORT is [0-9.e-]+ off, torch [0-9.e-]+: more than FLOAT64_ERROR_FACTOR"
     with pytest.raises(AssertionError, match=match):
         check_onnx(path, converted, (x,))
+
+
+def test_a_failed_check_is_an_onnx_mismatch_an_assertion_error():
+    """Code that caught the AssertionError of a failed check still does."""
+    assert issubclass(OnnxMismatch, AssertionError)

@@ -14,8 +14,8 @@ import torch
 from tests.models.quantizer import single_thread  # noqa: F401 (an autouse fixture: one thread)
 
 import pt2e_fq
-from pt2e_fq.app import pipeline
-from pt2e_fq.app.models import CNN
+from pt2e_fq.cli import pipeline
+from benchmarks.models import CNN
 
 MIB = 1 << 20
 

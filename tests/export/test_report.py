@@ -121,7 +121,7 @@ WEIGHT_GRANULARITY = {
 def test_a_saved_program_reports_what_its_model_reports(preset, tmp_path):
     """A program has op calls where the model had modules: the same rows,
     with the format and granularity read off the op's arguments."""
-    from pt2e_fq.app import pipeline
+    from pt2e_fq.cli import pipeline
 
     torch.manual_seed(0)
     x = torch.randn(8, 64)

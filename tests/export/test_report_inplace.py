@@ -11,7 +11,7 @@ import torch.nn as nn
 from tests.models.quantizer import single_thread  # noqa: F401 (an autouse fixture)
 
 import pt2e_fq
-from pt2e_fq.app import pipeline
+from pt2e_fq.cli import pipeline
 from quantizers import presets
 
 

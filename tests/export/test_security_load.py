@@ -27,7 +27,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import pt2e_fq
-from pt2e_fq.app import cli
+from pt2e_fq.cli import command
 from pt2e_fq.export import TRUSTED_MODULES, UntrustedModuleError
 
 EVIL = textwrap.dedent("""
@@ -172,7 +172,7 @@ def test_a_module_the_caller_trusts_is_imported_and_the_program_loads(beside_evi
 
 def test_the_cli_report_imports_a_module_given_with_trusted_module(beside_evil, capsys):
     folder, name = beside_evil
-    assert cli.main(["report", "evil.pt2", "--trusted-module", name]) == 0, capsys.readouterr().err
+    assert command.main(["report", "evil.pt2", "--trusted-module", name]) == 0, capsys.readouterr().err
     assert (folder / "evil_ran").exists()
 
 
@@ -206,7 +206,7 @@ def test_trusted_modules_must_be_module_names(beside_evil, trusted, error, messa
 
 
 def test_the_cli_refuses_a_trusted_module_that_is_not_a_module_name(beside_evil, capsys):
-    assert cli.main(["report", "evil.pt2", "--trusted-module", "..evil"]) == 2
+    assert command.main(["report", "evil.pt2", "--trusted-module", "..evil"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "pt2e-fq report: error: --trusted-module: '..evil' is not a module name; give an exact dotted name such as "
         "mypackage.outputs"]

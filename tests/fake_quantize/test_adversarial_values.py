@@ -22,7 +22,7 @@ from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 import pt2e_fq as q
 from pt2e_fq import reference
 from pt2e_fq.fake_quantize import NonFiniteQParamsError
-from pt2e_fq.report import check_finite_qparams
+from pt2e_fq.graph import check_finite_qparams
 
 NAN, INF = float("nan"), float("inf")
 
@@ -384,7 +384,7 @@ class _Linear(torch.nn.Module):
 
 def _onnx_file(tmp_path, preset):
     pytest.importorskip("onnxruntime")
-    from pt2e_fq.app import pipeline
+    from pt2e_fq.cli import pipeline
     from pt2e_fq.export import to_onnx
 
     torch.manual_seed(0)
@@ -398,7 +398,7 @@ def _onnx_file(tmp_path, preset):
 
 def test_onnx_runtime_gives_the_lowest_code_for_nan_and_check_onnx_says_so(tmp_path):
     from pt2e_fq.export import check_onnx
-    from pt2e_fq.export.onnx_check import ort_session
+    from pt2e_fq.export.onnx.session import ort_session
 
     converted, path = _onnx_file(tmp_path, "w8a8")
     x = torch.randn(2, 8, generator=torch.Generator().manual_seed(1))

@@ -24,8 +24,8 @@ from tests.fake_quantize.rank_processes import spawn_ranks
 
 import pt2e_fq as q
 import pt2e_fq.distributed as qdist
-from pt2e_fq.app import pipeline
-from pt2e_fq.app.models import MLP
+from pt2e_fq.cli import pipeline
+from benchmarks.models import MLP
 
 WORLD = 2
 PG_TIMEOUT_S = 20  # a collective no rank answers fails after this, rather than hanging the test
@@ -490,7 +490,7 @@ def test_the_ddp_example_runs_under_torchrun_and_saves_a_working_program(tmp_pat
     import sys
     from pathlib import Path
 
-    from pt2e_fq.app import digits
+    from pt2e_fq.cli import digits
 
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / "qat_ddp.pt2"

@@ -13,7 +13,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import pt2e_fq as q
 from pt2e_fq import reference
-from pt2e_fq.blocks import reduce_blocks
+from pt2e_fq.ops.blocks import reduce_blocks
 
 
 

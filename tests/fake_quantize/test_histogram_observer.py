@@ -199,7 +199,7 @@ def test_presets_calibrate_with_the_histogram_and_train_with_min_max():
 
 
 def test_qat_prepare_takes_the_presets_qat_form_and_warns_on_a_histogram_config():
-    from pt2e_fq.app import pipeline
+    from pt2e_fq.cli import pipeline
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
     x = torch.randn(4, 8)

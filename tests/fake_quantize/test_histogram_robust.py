@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import pt2e_fq as q
-from pt2e_fq.app import pipeline
+from pt2e_fq.cli import pipeline
 from pt2e_fq.fake_quantize import FakeQuantize
 from pt2e_fq.observers import MAX_HISTOGRAM_BINS, HistogramObserver
 from quantizers import QuantizerConfig

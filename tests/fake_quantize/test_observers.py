@@ -13,7 +13,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import pt2e_fq as q
 from pt2e_fq import reference
-from pt2e_fq.blocks import reduce_blocks
+from pt2e_fq.ops.blocks import reduce_blocks
 
 
 EPS = torch.finfo(torch.float32).eps
@@ -264,7 +264,7 @@ GRANULARITIES = [q.PerTensor(), q.PerChannel(0), q.PerChannel(1), q.PerToken(), 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("gran", GRANULARITIES, ids=repr)
 def test_block_abs_max_matches_a_loop_over_blocks(gran, dtype):
-    from pt2e_fq.observers import block_abs_max
+    from pt2e_fq.ops.blocks import block_abs_max
 
     x = _nasty((3, 5, 7), dtype)
     bs = gran.block_size(x.shape)

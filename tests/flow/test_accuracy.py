@@ -1,4 +1,4 @@
-"""pt2e_fq/app/accuracy.py, the model suite's yardsticks: the stock flows at
+"""benchmarks/stock_flows.py, the model suite's yardsticks: the stock flows at
 4-bit weights (what a 4-bit preset is measured against) and sqnr_gap's
 standard error, against values counted or computed by hand."""
 
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from pt2e_fq.app.accuracy import STOCK_QUANTIZERS, sqnr_gap, stock_quantize, stock_weight_bits
+from benchmarks.stock_flows import STOCK_QUANTIZERS, sqnr_gap, stock_quantize, stock_weight_bits
 from quantizers import presets
 from tests.models.mlp import ReluMLP
 

@@ -12,7 +12,7 @@ from torch import nn
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
 from pt2e_fq import FP8_E4M3, INT4, INT8, MXFP4, NVFP4, CurrentMinMaxObserver, FakeQuantize, PerChannel, PerGroup, QSpec, calib
-from pt2e_fq.app import pipeline
+from pt2e_fq.cli import pipeline
 from pt2e_fq.calib.bias_correction import bias_correction
 from pt2e_fq.calib.gptq import gptq
 from pt2e_fq.calib.layers import LINEAR, Layer

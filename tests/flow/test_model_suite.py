@@ -1,5 +1,5 @@
 """The model suite: real architectures
-from torchvision, timm and transformers at toy sizes (pt2e_fq/app/zoo.py),
+from torchvision, timm and transformers at toy sizes (benchmarks/zoo.py),
 every preset through the pipeline, as a user runs them.
 
 - PTQ, every preset on resnet18 and Llama, w8a8 on every model, fp8 on the
@@ -9,7 +9,7 @@ every preset through the pipeline, as a user runs them.
 - Parity with torchao's stock quantizers: each integer preset
   at least the better of XNNPACKQuantizer and X86InductorQuantizer (their
   int8 configs; for a 4-bit preset the same with int4 per-channel weights,
-  accuracy.stock_weight_bits; same weights, same calibration) on the stock
+  stock_flows.stock_weight_bits; same weights, same calibration) on the stock
   quantizer's coverage: not below it by more than two standard errors of the paired
   per-batch SQNR difference over the 16 held-out batches
   (accuracy.sqnr_gap); fp8 at least w8a8. Where ours is below, the case is
@@ -59,7 +59,7 @@ import torch
 from tests.models.quantized import fake_quant_nodes
 
 try:
-    from pt2e_fq.app import zoo
+    from benchmarks import zoo
 
     zoo.import_torchvision()
     import timm  # noqa: F401
@@ -69,8 +69,8 @@ except ImportError as e:
 pytest.importorskip("onnxruntime", reason="the ONNX checks need the onnx extra")
 
 import pt2e_fq
-from pt2e_fq.app import pipeline
-from pt2e_fq.app.accuracy import (
+from pt2e_fq.cli import pipeline
+from benchmarks.stock_flows import (
     STOCK_QUANTIZERS,
     float_op_types,
     on_stock_coverage,

@@ -22,7 +22,7 @@ from tests.models.quantizer import single_thread, sqnr_db  # noqa: F401 (an auto
 
 import pt2e_fq
 from pt2e_fq import flow
-from pt2e_fq.app import pipeline
+from pt2e_fq.cli import pipeline
 from pt2e_fq.eval_mode import sdpa_dropout_p
 
 

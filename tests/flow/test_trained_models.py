@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import trained_models as tm  # noqa: E402
 
-from pt2e_fq.app import accuracy, pipeline  # noqa: E402
+from benchmarks import stock_flows  # noqa: E402
+from pt2e_fq.cli import pipeline  # noqa: E402
 
 
 def test_classifier_metrics_by_hand():
@@ -58,7 +59,7 @@ def test_coverage_counts_what_the_converted_graph_quantizes():
     x = torch.randn(2, 3, 8, 8)
     weight_only = pipeline.quantize(model, x, "w4a16", progress=False, algorithms=False)
     assert str(tm.coverage(weight_only)) == "W 2/2, A 0/2"
-    stock = accuracy.stock_quantize(model, x, [x], "XNNPACKQuantizer")
+    stock = stock_flows.stock_quantize(model, x, [x], "XNNPACKQuantizer")
     assert str(tm.coverage(stock)) == "W 2/2, A 2/2"
     assert str(tm.coverage(torch.export.export(model, (x,)).module())) == "W 0/2, A 0/2"
 

@@ -16,7 +16,7 @@ from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e, 
 
 import pt2e_fq as q
 from pt2e_fq import reference
-from pt2e_fq.app import pipeline
+from pt2e_fq.cli import pipeline
 
 QAT_SHAPE = (8, 3, 8, 8)
 

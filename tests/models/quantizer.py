@@ -1,4 +1,4 @@
-"""The quantizer tests' models (from pt2e_fq.app.models) by name, and helpers
+"""The quantizer tests' models (from benchmarks.models) by name, and helpers
 shared by the test_quantizer_* files."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch.nn as nn
 from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e, prepare_qat_pt2e
 
 import pt2e_fq as q
-from pt2e_fq.app.models import CNN, MLP, EmbeddingHead, EncoderBlock
+from benchmarks.models import CNN, MLP, EmbeddingHead, EncoderBlock
 
 
 def example_batch(model_name: str, seed: int, n: int = 16):

@@ -188,7 +188,7 @@ def test_block_reductions_of_an_empty_x_are_the_reductions_identity():
     # What an observer would compute on an empty batch with the per-tensor
     # recipe: one block, no element, so amax is -inf and amin +inf (the
     # identities of the reductions).
-    from pt2e_fq.blocks import reduce_blocks
+    from pt2e_fq.ops.blocks import reduce_blocks
 
     x = torch.randn(0, 4)
     assert torch.equal(reduce_blocks(x, x.shape, torch.amax, float("-inf")), torch.full((1, 1), float("-inf")))

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 import pt2e_fq  # noqa: F401
 from tests.conftest import DEVICES
 from pt2e_fq import reference as ref
-from pt2e_fq.blocks import reduced_shape
-from pt2e_fq.formats import ELEMENTS
+from pt2e_fq.ops.blocks import reduced_shape
+from pt2e_fq.spec.formats import ELEMENTS
 from pt2e_fq.ops import unpack_mask
 
 ELEMENT_NAME = {e.torch_dtype: e.name for e in ELEMENTS.values()}  # the ops take the name

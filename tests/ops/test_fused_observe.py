@@ -1,4 +1,4 @@
-"""The fused observe-and-fake-quantize ops (observe_ops.py) against the
+"""The fused observe-and-fake-quantize ops (ops/observe.py) against the
 unfused path they replace (observers.py, format_kinds.qparams_from_range,
 the stored buffers, then fake_quantize_affine / fake_quantize_float): a
 FakeQuantize forced onto the unfused path is the reference, bit for bit on
@@ -21,8 +21,8 @@ from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_qat_pt
 
 import pt2e_fq as q
 from tests.conftest import DEVICES, FLOAT_DTYPES, assert_bits_equal
-from pt2e_fq import observe_ops
-from pt2e_fq.blocks import reduce_blocks, reduced_shape
+from pt2e_fq.ops import observe as observe_ops
+from pt2e_fq.ops.blocks import reduce_blocks, reduced_shape
 
 AFFINE_OBSERVE = torch.ops.pt2e_fq.fake_quantize_affine_observe.default
 FLOAT_OBSERVE = torch.ops.pt2e_fq.fake_quantize_float_observe.default

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 
 from tests.conftest import affine_cases, assert_bits_equal, make_case, requires_cuda_kernels
 from pt2e_fq import ops, reference
-from pt2e_fq.blocks import reduce_blocks
+from pt2e_fq.ops.blocks import reduce_blocks
 
 LEARNABLE = torch.ops.pt2e_fq.fake_quantize_affine_learnable.default
 BACKWARD = torch.ops.pt2e_fq.fake_quantize_affine_learnable_backward.default
@@ -440,7 +440,7 @@ def test_convert_freezes_into_the_static_form():
 
 
 def test_freeze_qat_keeps_learned_ranges_and_convert_floors_the_scale():
-    from pt2e_fq.app import pipeline
+    from pt2e_fq.cli import pipeline
 
     gm = _prepared(learnable=True)
     points = [m for m in gm.modules() if isinstance(m, FakeQuantize)]

@@ -4,7 +4,7 @@ import logging
 import subprocess
 import sys
 
-from pt2e_fq import _torchao_import
+from pt2e_fq.plugins import torchao as torchao_plugin
 
 
 def test_import_prints_no_torchao_noise():
@@ -16,13 +16,13 @@ def test_import_prints_no_torchao_noise():
 
 
 def test_filters_match_only_the_two_messages():
-    assert _torchao_import._torchao_cuda_library(
+    assert torchao_plugin._torchao_cuda_library(
         "Failed to load /venv/site-packages/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so: Could not load")
-    assert not _torchao_import._torchao_cuda_library("Skipping import of cpp extensions due to incompatible torch")
-    assert _torchao_import._enum_constant_deprecation(
+    assert not torchao_plugin._torchao_cuda_library("Skipping import of cpp extensions due to incompatible torch")
+    assert torchao_plugin._enum_constant_deprecation(
         "<enum 'KernelPreference'> is an Enum subclass and is now natively supported by torch.compile as an "
         "opaque value type. Calling register_constant() on Enum subclasses is deprecated")
-    assert not _torchao_import._enum_constant_deprecation("register_constant(cls) expects `cls` to have __eq__")
+    assert not torchao_plugin._enum_constant_deprecation("register_constant(cls) expects `cls` to have __eq__")
 
 
 def test_filters_are_removed_after_the_import():

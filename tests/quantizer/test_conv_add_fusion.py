@@ -18,7 +18,7 @@ from tests.models.resnet import ResNet
 from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
 
 import pt2e_fq as q
-from pt2e_fq.app import pipeline
+from pt2e_fq.cli import pipeline
 from pt2e_fq.export import check_lowered, check_onnx, compile_x86, to_onnx, to_qdq
 from quantizers import ConfigError, FakeQuantQuantizer, QuantizerConfig, presets
 

@@ -51,7 +51,7 @@ def _observed_activation_inputs(quantizer) -> dict:
 
 
 def test_xnnpack_points_around_activations_are_the_xnnpack_quantizers():
-    from pt2e_fq.app.accuracy import stock_quantizer
+    from benchmarks.stock_flows import stock_quantizer
 
     stock = _observed_activation_inputs(stock_quantizer("XNNPACKQuantizer"))
     ours = _observed_activation_inputs(FakeQuantQuantizer(presets.every_point("w8a8", "xnnpack")))

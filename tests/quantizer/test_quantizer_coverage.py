@@ -19,7 +19,7 @@ from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
 from tests.models.quantizer import single_thread, sqnr_db  # noqa: F401 (an autouse fixture)
 
 import pt2e_fq
-from pt2e_fq.app import pipeline
+from pt2e_fq.cli import pipeline
 from quantizers import FakeQuantQuantizer, presets
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from tests.models.quantizer import single_thread, sqnr_db  # noqa: F401 (an autouse fixture)
 
-from pt2e_fq.app import pipeline
+from pt2e_fq.cli import pipeline
 from quantizers import FakeQuantQuantizer, presets
 
 FP8_FLOOR_DB = 33.0

@@ -32,7 +32,7 @@ from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
     get_default_x86_inductor_quantization_config,
 )
 
-from pt2e_fq.app import pipeline
+from pt2e_fq.cli import pipeline
 
 MARGIN_DB = 1.5
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import pt2e_fq as q
-from pt2e_fq.formats import ELEMENTS
+from pt2e_fq.spec.formats import ELEMENTS
 
 FP8 = [e for e in ELEMENTS.values() if e.torch_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)]
 

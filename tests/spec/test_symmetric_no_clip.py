@@ -1,4 +1,4 @@
-"""Scheme SYMMETRIC_NO_CLIP (pt2e_fq.schemes): its qparams against torchao's
+"""Scheme SYMMETRIC_NO_CLIP (pt2e_fq.spec.schemes): its qparams against torchao's
 SYMMETRIC_NO_CLIPPING_ERR mapping and hand-computed values, both ends of a
 range on codes, and the fused QAT path on it (test_fused_observe.py runs
 it bit for bit against the unfused one)."""

@@ -176,7 +176,7 @@ PT2E_FQ_V4 void affine_blocks_v4(const T* __restrict__ x, T* __restrict__ y,
 }
 
 // PT2E_FQ_PORTABLE_CPU=1 turns the AVX-512 path off, so the tests can run
-// the portable one on a machine that has AVX-512 (tests/test_affine_numerics.py).
+// the portable one on a machine that has AVX-512 (tests/ops/test_affine_numerics.py).
 bool have_v4() {
   static const bool v = [] {
     const char* portable = std::getenv("PT2E_FQ_PORTABLE_CPU");

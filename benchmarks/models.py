@@ -1,0 +1,205 @@
+"""Example architectures used by the tests, the benchmarks and as
+`pt2e-fq quantize --model benchmarks.models:<factory>` targets: every
+class here builds with its defaults, so the class itself is the factory.
+
+Built from plain torch.nn parts, so that torch.export sees the ops real
+models give and the quantizer annotates them as it would there:
+
+- `MLP` (x of shape (batch, 16)): linear, relu, linear, gelu, linear;
+- `CNN` (x of shape (batch, 3, H, W)): conv-bn-relu, conv-bn, a residual
+  add and relu, global average pool, linear;
+- `EncoderBlock` (x of shape (batch, seq, 32)): a pre-norm transformer
+  encoder block, with `Attention` (matmul, softmax);
+- `EmbeddingHead` (int64 tokens of shape (batch, seq), < 64): embedding,
+  linear;
+- `LlamaDecoder` (int64 tokens of shape (batch, seq), < 4096): a small
+  Llama-style decoder, with `RMSNorm`, `RotaryAttention` and `SwiGLU`.
+
+For example:
+
+    pt2e-fq quantize --model benchmarks.models:CNN --example-input 1x3x8x8 --preset w8a8
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ---------------------------------------------------------------------------
+# Small models of the quantizer tests: an MLP, a CNN, a transformer encoder
+# block and an embedding with a head.
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in=16, hidden=32, d_out=4):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.act1 = nn.ReLU()
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.act2 = nn.GELU()
+        self.head = nn.Linear(hidden, d_out)
+
+    def forward(self, x):
+        return self.head(self.act2(self.fc2(self.act1(self.fc1(x)))))
+
+
+class CNN(nn.Module):
+    """conv-bn-relu, conv-bn, a residual add and relu, global average pool, linear."""
+
+    def __init__(self, channels=8, classes=4):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, channels, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(channels, classes)
+
+    def forward(self, x):
+        y = torch.relu(self.bn1(self.conv1(x)))
+        y = torch.relu(self.bn2(self.conv2(y)) + y)
+        return self.fc(self.pool(y).flatten(1))
+
+
+class Attention(nn.Module):
+    def __init__(self, d=32, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.out = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        split = lambda y: y.view(b, t, self.heads, d // self.heads).transpose(1, 2)  # noqa: E731
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        scores = torch.softmax(torch.matmul(q, k.transpose(-2, -1)) * (d // self.heads) ** -0.5, dim=-1)
+        return self.out(torch.matmul(scores, v).transpose(1, 2).reshape(b, t, d))
+
+
+class EncoderBlock(nn.Module):
+    """Pre-norm transformer encoder block: attention (matmul, softmax), layer
+    norm, GELU MLP, two residual adds."""
+
+    def __init__(self, d=32, heads=2, hidden=64):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = Attention(d, heads)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, d))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class EmbeddingHead(nn.Module):
+    def __init__(self, vocab=64, d=32, classes=8):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, tokens):
+        return self.head(self.emb(tokens))
+
+
+# ---------------------------------------------------------------------------
+# A small Llama-style decoder (the QAT benchmark's): token embedding, pre-norm
+# blocks of RMSNorm, causal self-attention with rotary position embeddings
+# (F.scaled_dot_product_attention) and a SwiGLU MLP, a final RMSNorm and an
+# LM head. Written the way Llama implementations are, so that torch.export
+# sees the ops a real one gives (embedding, linear,
+# scaled_dot_product_attention, silu, mul, add, rsqrt).
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # The statistics in fp32, as Llama does, whatever x's dtype.
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rotary_tables(head_dim: int, max_seq: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (max_seq, head_dim), halves repeated (the rotate-half layout)."""
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_seq, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def rotate_half(x):
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([-b, a], dim=-1)
+
+
+class RotaryAttention(nn.Module):
+    """Causal self-attention with rotary position embeddings, no biases."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x, cos, sin):
+        b, t, d = x.shape
+
+        def split(y):
+            return y.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, d))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate, self.up = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, dim: int, heads: int, hidden: int):
+        super().__init__()
+        self.attn_norm, self.attn = RMSNorm(dim), RotaryAttention(dim, heads)
+        self.mlp_norm, self.mlp = RMSNorm(dim), SwiGLU(dim, hidden)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class LlamaDecoder(nn.Module):
+    """tokens (batch, seq) int64 -> logits (batch, seq, vocab)."""
+
+    def __init__(self, vocab: int = 4096, dim: int = 512, layers: int = 4, heads: int = 8,
+                 hidden: int | None = None, max_seq: int = 2048):
+        super().__init__()
+        # Llama's MLP width: 8/3 of dim, rounded up to a multiple of 64.
+        hidden = hidden or 64 * math.ceil(8 * dim / 3 / 64)
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(DecoderLayer(dim, heads, hidden) for _ in range(layers))
+        self.norm = RMSNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        cos, sin = rotary_tables(dim // heads, max_seq)
+        # Buffers, so that .to(device, dtype) moves them with the weights.
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, tokens):
+        t = tokens.shape[1]
+        cos, sin = self.cos[:t], self.sin[:t]
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.lm_head(self.norm(x))

@@ -1,7 +1,0 @@
-"""The application layer: the PT2E flow in a few calls (`pipeline`), the
-`pt2e-fq` command line (`cli`), the demo with its data (`demo`, `digits`)
-and the step-timing helper (`step_time`).
-
-It is the only part of pt2e_fq that imports `quantizers`: the runtime (ops,
-FakeQuantize, observers, export, report) works with any Quantizer.
-"""

@@ -1,0 +1,296 @@
+"""The PT2E quantization flow in a few calls.
+
+    from pt2e_fq.cli import pipeline
+    prepared = pipeline.prepare(model, (x,), "w8a8")              # export -> annotate -> prepare_pt2e
+    pipeline.calibrate(prepared, calibration_batches)             # observers see data (tqdm bar)
+    converted = pipeline.convert(prepared)                        # convert_pt2e
+
+    qat = pipeline.prepare(model, (x,), "w4a8", qat=True)         # prepare_qat_pt2e on a train-mode export
+    pipeline.start_learning_ranges(qat)                           # after calibrating: learnable points learn (LSQ)
+    pipeline.train(qat, batches, loss_fn, optimizer, epochs=3)    # any training loop works; this one has a bar
+    pipeline.freeze_qat(qat, batch)                               # eval mode, final weight qparams, observers off
+    converted = pipeline.convert(qat)
+
+`freeze_qat` and `convert` are pt2e_fq.flow's freeze_qat and convert_pt2e
+(the eval switch that keeps each batch norm's eps, and convert without
+torchao's conv-bn pattern search).
+
+`quantize` runs the whole flow for a model without labels (what the CLI
+does): calibration, then optionally QAT that distils the float model's
+outputs. The model is exported with a dynamic batch dimension (by
+default), so the prepared and converted models take any batch size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import io
+import math
+import re
+import sys
+import warnings
+from typing import Callable, Iterable, Optional, Sequence, Union
+
+import torch
+from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e, prepare_qat_pt2e
+from tqdm import tqdm
+
+from quantizers import FakeQuantQuantizer, QuantizerConfig, presets
+
+from .. import calib
+from ..graph import as_args
+from ..fake_quantize import FakeQuantize
+from ..flow import convert_pt2e as convert, freeze_qat, start_learning_ranges  # noqa: F401 (the pipeline's names for them)
+
+ConfigLike = Union[str, QuantizerConfig, FakeQuantQuantizer]
+
+if torch.distributed.is_available():
+    from torch.distributed.fsdp import FSDPModule
+
+    _FSDP2 = (FSDPModule,)
+else:  # a torch built without distributed support has no FSDP2 model to reshard
+    _FSDP2 = ()
+
+
+class ExportError(RuntimeError):
+    """torch.export cannot export the model: a one-line message (the
+    reason and, where torch names it, the line of the model's code); torch's
+    full report, and its partial graph, are on the chained `__cause__`."""
+
+
+class TrainingDiverged(ValueError):
+    """The loss or a trained parameter became NaN or infinite (a learning
+    rate too high, or non-finite data)."""
+
+
+# Where torch.export's message points at the model's code:
+#   File "/path/models.py", line 40, in forward\n    if x.sum() > 0:
+_USER_CODE = re.compile(r'File "([^"]+)", line (\d+), in \w+\n\s*(.+)')
+
+
+def _export_error(model: torch.nn.Module, error: Exception) -> ExportError:
+    text = str(error).strip()
+    reason = text.splitlines()[0].strip() if text else ""
+    where = _USER_CODE.search(text)
+    at = f" at {where[1]}:{where[2]} ({where[3].strip()})" if where else ""
+    return ExportError(f"torch.export cannot export {type(model).__name__}{at}: {type(error).__name__}: {reason}")
+
+
+def quantizer_for(config: ConfigLike, *, qat: bool = False) -> FakeQuantQuantizer:
+    """A FakeQuantQuantizer from a preset name (with `qat`, the preset's QAT
+    form: presets.get_preset), a QuantizerConfig or a quantizer."""
+    if isinstance(config, FakeQuantQuantizer):
+        return config
+    if isinstance(config, QuantizerConfig):
+        return FakeQuantQuantizer(config)
+    if isinstance(config, str):
+        return FakeQuantQuantizer(presets.get_preset(config, qat=qat))
+    raise TypeError(
+        f"config must be a preset name ({', '.join(presets.PRESETS)}), a QuantizerConfig or a "
+        f"FakeQuantQuantizer, got {type(config).__name__}"
+    )
+
+
+def batch_dynamic_shapes(example_args: tuple, model: Optional[torch.nn.Module] = None):
+    """Dimension 0 of every tensor argument dynamic (torch.export Dim.AUTO:
+    it stays static where the model needs it to). torch.export wants them
+    shaped as the parameters of the model's forward: give `model` where its
+    forward gathers arguments in `*args` (common wrappers of HF models), whose
+    entry is then one tuple for all the arguments it takes. Without `model`:
+    one entry per argument, right for a forward with one parameter per
+    argument, as the GraphModules of prepare and convert have."""
+    specs = [{0: torch.export.Dim.AUTO} if isinstance(t, torch.Tensor) and t.dim() > 0 else None
+             for t in example_args]
+    if model is None:
+        return tuple(specs)
+    grouped = []
+    for i, p in enumerate(inspect.signature(model.forward).parameters.values()):
+        if p.kind is inspect.Parameter.VAR_POSITIONAL:
+            return tuple(grouped) + (tuple(specs[i:]),)
+        if i < len(specs):
+            grouped.append(specs[i])
+    return tuple(grouped)
+
+
+def export(model: torch.nn.Module, example_inputs, *, dynamic_batch: bool = True) -> torch.fx.GraphModule:
+    """torch.export of `model` in its current train/eval mode, as the
+    GraphModule that prepare_pt2e takes; an ExportError when torch.export
+    fails."""
+    args = as_args(example_inputs)
+    dynamic_shapes = batch_dynamic_shapes(args, model) if dynamic_batch else None
+    # A failed torch.export prints the partial graph to stderr (once per
+    # nested tracing level), dozens of lines, before it raises; the graph
+    # stays on the chained cause (`partial_fx_graph`), and whatever else was
+    # printed is passed on.
+    printed, graph = io.StringIO(), None
+    try:
+        with contextlib.redirect_stderr(printed):
+            return torch.export.export(model, args, dynamic_shapes=dynamic_shapes).module()
+    except Exception as e:  # torch's reports run to dozens of lines; the cause keeps them
+        graph = getattr(e, "partial_fx_graph", None)
+        raise _export_error(model, e) from e
+    finally:
+        text = printed.getvalue()
+        sys.stderr.write(text if graph is None else text.replace(f"{graph}\n", ""))
+
+
+def prepare(
+    model: torch.nn.Module, example_inputs, config: ConfigLike, *, qat: bool = False, dynamic_batch: bool = True
+) -> torch.fx.GraphModule:
+    """Exports `model` (train mode for QAT, eval mode for PTQ; the model's
+    own mode is restored), annotates it with our quantizer and runs
+    prepare_pt2e or prepare_qat_pt2e. A preset name takes the preset's QAT
+    form for QAT (presets.get_preset)."""
+    quantizer = quantizer_for(config, qat=qat)
+    was_training = model.training
+    try:
+        gm = export(model.train(qat), example_inputs, dynamic_batch=dynamic_batch)
+    finally:
+        model.train(was_training)
+    if not qat:
+        return prepare_pt2e(gm, quantizer)
+    prepared = prepare_qat_pt2e(gm, quantizer)
+    _warn_histogram_in_qat(prepared)
+    return prepared
+
+
+def _warn_histogram_in_qat(prepared: torch.nn.Module) -> None:
+    """A HistogramObserver searches its range at every observed step: in QAT
+    (observers on while training) that costs more than the step."""
+    names = [name for name, m in prepared.named_modules()
+             if isinstance(m, FakeQuantize) and m.qspec.observer_or_default.keeps_histogram]
+    if names:
+        warnings.warn(
+            f"prepare(qat=True): {len(names)} point(s) calibrate with HistogramObserver ({', '.join(names[:3])}"
+            f"{', ...' if len(names) > 3 else ''}), whose range search runs at every training step while the "
+            "observers are on (tens of ms per point); QAT usually keeps MinMaxObserver there: "
+            "presets.get_preset(name, qat=True), or a preset name, which takes that form", stacklevel=3)
+
+
+def calibrate(prepared: torch.nn.Module, batches: Iterable, *, progress: bool = True) -> torch.nn.Module:
+    """Runs every batch (a tensor or a tuple of tensors) through the prepared
+    model without gradients, so its observers see the data. A model under
+    FSDP2 (`fully_shard`) is resharded after: its root keeps the unsharded
+    weights after a forward with no backward, and an optimizer built then
+    would train copies that the next all-gather overwrites."""
+    with torch.no_grad():
+        for batch in tqdm(batches, desc="calibrate", disable=not progress, leave=False):
+            prepared(*as_args(batch))
+    if isinstance(prepared, _FSDP2):
+        prepared.reshard()
+    return prepared
+
+
+def train(
+    model: torch.nn.Module,
+    batches: Union[Sequence, Callable[[int], Sequence]],
+    loss_fn: Callable,
+    optimizer: torch.optim.Optimizer,
+    *,
+    epochs: int = 1,
+    max_steps: Optional[int] = None,
+    desc: str = "train",
+    progress: bool = True,
+) -> list[float]:
+    """A plain training loop with a tqdm bar, for a float model or a model
+    from prepare_qat_pt2e; returns the loss of every step. `batches` is a
+    sequence of (inputs, target) pairs, or a callable from the epoch number
+    to such a sequence (to reshuffle); inputs is a tensor or a tuple of
+    tensors, loss_fn(output, target) a scalar. Stops after `epochs` epochs
+    or `max_steps` steps. A loss or a trained parameter that is NaN or
+    infinite stops it with TrainingDiverged: every later step, and the
+    qparams computed from such weights, would be NaN."""
+    if epochs < 1:
+        raise ValueError(f"train: epochs must be >= 1, got {epochs}")
+    losses = []
+    epoch_batches = batches(0) if callable(batches) else batches
+    total = epochs * len(epoch_batches) if max_steps is None else min(epochs * len(epoch_batches), max_steps)
+    with tqdm(total=total, desc=desc, disable=not progress, unit="step", mininterval=0.5) as bar:
+        for epoch in range(epochs):
+            if epoch > 0 and callable(batches):
+                epoch_batches = batches(epoch)
+            for inputs, target in epoch_batches:
+                optimizer.zero_grad(set_to_none=True)
+                loss = loss_fn(model(*as_args(inputs)), target)
+                loss.backward()
+                optimizer.step()
+                losses.append(float(loss.detach()))
+                _check_finite(model, desc, losses)
+                bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+                bar.update(1)
+                if max_steps is not None and len(losses) >= max_steps:
+                    return losses
+    return losses
+
+
+def _check_finite(model: torch.nn.Module, desc: str, losses: list[float]) -> None:
+    """TrainingDiverged unless the step's loss and the trained parameters
+    after it are finite. The parameters too: a step can make them infinite
+    with a finite loss, and the next forward would then fail in a
+    fake-quant op on a NaN scale, far from the cause."""
+    if not math.isfinite(losses[-1]):
+        raise TrainingDiverged(f"{desc}: the loss became {losses[-1]} at step {len(losses)}")
+    for name, p in model.named_parameters():
+        if p.requires_grad and not torch.isfinite(p).all():
+            raise TrainingDiverged(f"{desc}: parameter {name} became NaN or infinite at step {len(losses)}")
+
+
+def quantize(
+    model: torch.nn.Module,
+    example_inputs,
+    config: ConfigLike,
+    *,
+    calibration: Optional[Sequence] = None,
+    qat_steps: int = 0,
+    lr: float = 1e-4,
+    progress: bool = True,
+    dynamic_batch: bool = True,
+    algorithms: bool = True,
+) -> torch.fx.GraphModule:
+    """The whole flow for a model without labels. PTQ: prepare, calibrate on
+    `calibration` (batches; default: the example inputs), convert. For a
+    preset name, PTQ runs the preset's defaults unless `algorithms` is
+    False: on a convolutional network the 4-bit presets keep the first conv,
+    depthwise convs and classifier at int8 weights (presets.int8_edges), and
+    pt2e_fq.calib.apply runs the algorithms of presets.PTQ_ALGORITHMS
+    between calibration and convert. With
+    qat_steps > 0: prepare for QAT, calibrate, then train `qat_steps` steps
+    (Adam, `lr`) to match the float model's outputs on the calibration
+    batches (distillation, mean squared error), learnable ranges with the
+    rest (their observers off after calibration: start_learning_ranges),
+    freeze and convert.
+    dynamic_batch=False exports with the example's batch size (a model
+    whose batch dimension cannot be dynamic); then every calibration batch
+    must have it. The model is not changed."""
+    if qat_steps < 0:
+        raise ValueError(f"quantize: qat_steps must be >= 0, got {qat_steps}")
+    example = as_args(example_inputs)
+    batches = [as_args(b) for b in (calibration if calibration is not None else [example])]
+    if not batches:
+        raise ValueError("quantize: calibration holds no batch")
+    model = copy.deepcopy(model)
+    name = config if algorithms and qat_steps == 0 and isinstance(config, str) else None
+    if name in presets.INT8_EDGE_PRESETS:
+        config = presets.int8_edges(presets.get_preset(name), model)
+    prepared = prepare(model, example, config, qat=qat_steps > 0, dynamic_batch=dynamic_batch)
+    calibrate(prepared, batches, progress=progress)
+    if name in presets.PTQ_ALGORITHMS:
+        calib.apply(prepared, batches)
+    if qat_steps > 0:
+        start_learning_ranges(prepared)
+        model.eval()
+        with torch.no_grad():
+            targets = [model(*b) for b in batches]
+        pairs = list(zip(batches, targets))
+        optimizer = torch.optim.Adam([p for p in prepared.parameters() if p.requires_grad], lr=lr)
+        epochs = -(-qat_steps // len(pairs))
+        train(prepared, pairs, _mse, optimizer, epochs=epochs, max_steps=qat_steps, desc="QAT", progress=progress)
+        freeze_qat(prepared, batches[0])
+    return convert(prepared)
+
+
+def _mse(output, target) -> torch.Tensor:
+    outputs, targets = as_args(output), as_args(target)
+    return sum(torch.nn.functional.mse_loss(o.float(), t.float()) for o, t in zip(outputs, targets))
