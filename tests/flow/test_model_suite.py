@@ -116,16 +116,7 @@ QAT_STEPS = 3
 # their mask code) and X86InductorQuantizer on resnet18 ("Input partition has
 # more than one output node", its conv-add-relu annotation): the other one
 # is the reference there.
-BELOW_STOCK = {
-    # Random-init EfficientNet keeps 1 to 4 dB against float under every
-    # int8 flow, and which calibration set is used moves it by more than the
-    # gap: over three other sets of 4 batches ours 1.4 / 1.8 / 2.2 dB, X86's
-    # 1.0 / 3.6 / 2.6 (with min-max ranges ours is 1.35 dB here). The thread
-    # count flips it: with 2 threads (the suite runs 1) ours is 3.0 dB,
-    # XNNPACK's 2.7 and X86's 2.1, +0.3 with standard error 0.4 (bench_accuracy.py
-    # --threads 2 --models efficientnet_b0 --presets w8a8 --quick --tables ptq).
-    ("efficientnet_b0", "w8a8"): "2.1 dB, X86InductorQuantizer 3.0: -0.91 dB, standard error 0.37",
-}
+BELOW_STOCK = {}
 # fp8 measured below w8a8 (the goal: fp8 at least as good as w8a8), dB on
 # the 16 held-out batches. The formats' arithmetic, not the flow: E4M3 keeps
 # 3 mantissa bits, a rounding error up to 2**-4 of each value wherever it

@@ -12,6 +12,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 from pt2e_fq import ops, reference
+from pt2e_fq.ops import _qparam_grad
 
 G = torch.Generator().manual_seed(0)
 X = torch.randn(4, 8, generator=G) * 0.6  # about a third of it clamps at scale 0.05, [-8, 7]
@@ -100,7 +101,7 @@ def test_func_grad_and_vmap_of_grad():
 
 
 def test_a_qparam_that_requires_grad_warns_once_at_the_callers_line(monkeypatch):
-    monkeypatch.setattr(ops, "_warned_qparam_grad", False)
+    monkeypatch.setattr(_qparam_grad, "_warned_qparam_grad", False)
     scale = SCALE.clone().requires_grad_()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

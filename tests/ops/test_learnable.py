@@ -14,7 +14,7 @@ from hypothesis import given, settings
 
 from tests.conftest import affine_cases, assert_bits_equal, make_case, requires_cuda_kernels
 from pt2e_fq import ops, reference
-from pt2e_fq.ops.blocks import reduce_blocks
+from pt2e_fq.ops.blocks import reduce_blocks, reduced_shape
 
 LEARNABLE = torch.ops.pt2e_fq.fake_quantize_affine_learnable.default
 BACKWARD = torch.ops.pt2e_fq.fake_quantize_affine_learnable_backward.default
@@ -154,7 +154,7 @@ def test_deterministic_across_thread_counts():
         for threads in (1, 2):
             torch.set_num_threads(threads)
             for block in ([4, 75_000], [1, 75_000], [4, 32]):
-                scale = torch.full(ops.reduced_shape(x.shape, block), 0.3)
+                scale = torch.full(reduced_shape(x.shape, block), 0.3)
                 runs = [BACKWARD(dy, x, block, scale, None, -8, 7, 0.01, None) for _ in range(2)]
                 results.setdefault(tuple(block), []).extend(runs)
     finally:
