@@ -23,7 +23,7 @@ from typing import Callable, ClassVar, Optional, Sequence
 
 import torch
 
-from .ops.blocks import block_min_max, reduce_blocks, reduced_shape
+from .ops.blocks import block_min_max, blocked, reduce_blocks
 
 Range = tuple[torch.Tensor, torch.Tensor]
 # (lo, hi) -> x fake-quantized with the qparams of that range.
@@ -215,17 +215,9 @@ MAX_HISTOGRAM_BINS = 65536
 def _blocks_as_rows(x: torch.Tensor, block_size: Sequence[int]) -> torch.Tensor:
     """x as (blocks, block elements), blocks in the reduced shape's order; a
     ragged last block is padded with NaN, which the histogram ignores."""
-    shape = tuple(x.shape)
-    block = [b if b <= s else s for s, b in zip(shape, block_size)]
-    red = reduced_shape(shape, block)
-    pad = []
-    for s, b, r in reversed(list(zip(shape, block, red))):
-        pad += [0, r * b - s]  # F.pad lists the last dimension first
-    if any(p != 0 for p in pad):
-        x = torch.nn.functional.pad(x, pad, value=math.nan)
-    n = len(shape)
-    blocked = x.reshape([v for r, b in zip(red, block) for v in (r, b)])
-    return blocked.permute(*range(0, 2 * n, 2), *range(1, 2 * n, 2)).reshape(math.prod(red), -1)
+    n = x.dim()
+    rows = blocked(x, block_size, math.nan)
+    return rows.permute(*range(0, 2 * n, 2), *range(1, 2 * n, 2)).reshape(math.prod(rows.shape[0::2]), -1)
 
 
 @dataclass(frozen=True)

@@ -103,15 +103,11 @@ def whole_dims(shape: Sequence[int], block_size: Sequence[int]) -> Optional[list
     return whole if whole and len(set(whole) | set(ones)) == len(shape) else None
 
 
-def reduce_blocks(x: torch.Tensor, block_size: Sequence[int], reduce, pad_value: float) -> torch.Tensor:
-    """Reduces every block of x to one value: `reduce(t, dim=...)` (torch.amin,
-    torch.amax, torch.sum) over the elements of each block; the result has the
-    reduced shape. A ragged last block is padded with `pad_value`, which must
-    not change the result (+inf for amin, -inf for amax, 0 for sum)."""
+def blocked(x: torch.Tensor, block_size: Sequence[int], pad_value: float) -> torch.Tensor:
+    """x as (r0, b0, r1, b1, ...): the reduced shape's dimensions interleaved
+    with the block's, a ragged last block padded with `pad_value`. A block
+    longer than its dimension is one block: no need to pad up to it."""
     shape = tuple(x.shape)
-    if x.numel() == 0:  # every block is empty: pad_value is the reduction's identity
-        return x.new_full(reduced_shape(shape, block_size), pad_value)
-    # A block longer than its dimension is one block: no need to pad up to it.
     block = [b if b <= s else s for s, b in zip(shape, block_size)]
     red = reduced_shape(shape, block)
     pad = []
@@ -119,8 +115,17 @@ def reduce_blocks(x: torch.Tensor, block_size: Sequence[int], reduce, pad_value:
         pad += [0, r * b - s]  # F.pad lists the last dimension first
     if any(p != 0 for p in pad):
         x = torch.nn.functional.pad(x, pad, value=pad_value)
-    blocked = x.reshape([v for r, b in zip(red, block) for v in (r, b)])
-    return reduce(blocked, dim=tuple(range(1, 2 * len(shape), 2)))
+    return x.reshape([v for r, b in zip(red, block) for v in (r, b)])
+
+
+def reduce_blocks(x: torch.Tensor, block_size: Sequence[int], reduce, pad_value: float) -> torch.Tensor:
+    """Reduces every block of x to one value: `reduce(t, dim=...)` (torch.amin,
+    torch.amax, torch.sum) over the elements of each block; the result has the
+    reduced shape. A ragged last block is padded with `pad_value`, which must
+    not change the result (+inf for amin, -inf for amax, 0 for sum)."""
+    if x.numel() == 0:  # every block is empty: pad_value is the reduction's identity
+        return x.new_full(reduced_shape(tuple(x.shape), block_size), pad_value)
+    return reduce(blocked(x, block_size, pad_value), dim=tuple(range(1, 2 * x.dim(), 2)))
 
 
 def expand_blocks(t: torch.Tensor, shape: Sequence[int], block_size: Sequence[int]) -> torch.Tensor:
