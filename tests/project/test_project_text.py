@@ -87,8 +87,9 @@ def test_the_text_files_do_not_narrate_how_the_software_was_built():
     assert not hits, "the project text narrates how it was built; say the software fact instead:\n" + "\n".join(hits)
 
 
-@pytest.mark.parametrize("line", ["Measured in session 4.", "(issue 17.1)", "see issue #12", "in round 2 of work",
-                                  "on the development VM", "measured 2026-01-05"])
+# Each sample is split in two so that this file, which the search reads too, holds none of them whole.
+@pytest.mark.parametrize("line", ["Measured in sess" "ion 4.", "(iss" "ue 17.1)", "see iss" "ue #12", "in round 2 of work",
+                                  "on the develop" "ment VM", "measured 2026-01-05"])
 def test_each_kind_of_narration_is_found(line):
     assert narration_hits(Path("x.md"), line), line
 
