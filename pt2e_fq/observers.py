@@ -282,6 +282,37 @@ class HistogramObserver(RangeObserver):
         pos = (values.double() - lo) / torch.where(width > 0, width, 1.0) * self.bins
         return pos.nan_to_num_(0.0).floor_().clamp_(0, self.bins - 1).long()
 
+    def _count(self, flat: torch.Tensor, per_row: int, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+        """The bin counts (float64, rows * (bins + 1)) of `flat`, `per_row`
+        values per row (block), binned over its row's [lo, hi] as _bin_of
+        bins them; column 0 of a row counts its non-finite values, column
+        1 + b its bin b. Written for few passes over the values: a value of
+        a row's running range is at position (v - lo) / width * bins in
+        [0, bins] (v - lo and width are exact in float64), so only a
+        position of bins needs the clamp to bins - 1, and a non-finite value
+        is the one with a non-finite position."""
+        rows = lo.numel()
+        counts = torch.zeros(rows * (self.bins + 1), dtype=torch.float64, device=lo.device)
+        lo, hi = lo.double(), hi.double()
+        width = hi - lo
+        width = torch.where(width > 0, width, 1.0)
+        one = torch.ones((), dtype=torch.float64, device=lo.device)
+        per_tensor = rows == 1
+        for start in range(0, flat.numel(), _BIN_CHUNK):
+            v = flat[start:start + _BIN_CHUNK]
+            if per_tensor:
+                row_lo, row_width = lo, width
+            else:
+                row = torch.arange(start, start + v.numel(), device=v.device) // per_row
+                row_lo, row_width = lo[row], width[row]
+            pos = v.double().sub_(row_lo).div_(row_width).mul_(self.bins).floor_()
+            # An empty row's range is (+inf, -inf): every value of it is non-finite, its position NaN or +-inf.
+            pos = pos.nan_to_num_(-1.0, -1.0, -1.0).clamp_(max=self.bins - 1).add_(1.0)
+            if not per_tensor:
+                pos = pos.add_(row * (self.bins + 1))
+            counts.scatter_add_(0, pos.long(), one.expand(v.numel()))
+        return counts
+
     def accumulate(self, x: torch.Tensor, block_size: Sequence[int], old: Optional[Range], new: Range,
                    histogram: Optional[torch.Tensor], reduce_sum: Optional[Callable] = None) -> torch.Tensor:
         """The histogram (float64, reduced shape + (bins,)) over the range
@@ -291,15 +322,12 @@ class HistogramObserver(RangeObserver):
         the same on every rank)."""
         lo, hi = new[0].reshape(-1), new[1].reshape(-1)
         blocks = lo.numel()
-        counts = torch.zeros(blocks * self.bins, dtype=torch.float64, device=lo.device)
         if x.numel() > 0:
             rows = _blocks_as_rows(x, block_size)
-            flat, per_row = rows.reshape(-1), rows.shape[1]
-            for start in range(0, flat.numel(), _BIN_CHUNK):
-                v = flat[start:start + _BIN_CHUNK]
-                row = torch.arange(start, start + v.numel(), device=v.device) // per_row
-                index = row * self.bins + self._bin_of(v, lo[row], hi[row])
-                counts.scatter_add_(0, index, torch.isfinite(v).double())
+            counts = self._count(rows.reshape(-1), rows.shape[1], lo, hi).view(blocks, self.bins + 1)[:, 1:]
+            counts = counts.contiguous().view(-1)
+        else:
+            counts = torch.zeros(blocks * self.bins, dtype=torch.float64, device=lo.device)
         if reduce_sum is not None:
             counts = reduce_sum(counts)
         counts = counts.view(blocks, self.bins)
