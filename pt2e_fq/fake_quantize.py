@@ -293,7 +293,7 @@ class FakeQuantize(FakeQuantizeBase):
         """HistogramObserver: adds x to the stored histogram (over the new
         running range `new`) and returns the range its search picks."""
         reduce_sum = None if sync_group is None else (lambda t: _observer_sync.all_reduce_sum(t, sync_group))
-        histogram = self._observer.accumulate(x, block_size, old, new, self.histogram, reduce_sum)
+        histogram = self._observer.accumulate(x, block_size, old, new, self.histogram, reduce_sum, self.nonfinite)
         self._store("histogram", histogram)
 
         def fake_quantize_rows(values, lo, hi):
@@ -341,8 +341,9 @@ class FakeQuantize(FakeQuantizeBase):
             self._store("max_val", hi)
         for name, value in qparams.items():
             self._store(name, value)
-        # |x| < inf is False exactly for NaN and +-Inf, in fewer passes than isfinite.
-        self.nonfinite.add_(x.numel() - torch.count_nonzero(x.abs() < math.inf))
+        if not self._observer.keeps_histogram:  # a histogram's binning counts them (_histogram_range)
+            # |x| < inf is False exactly for NaN and +-Inf, in fewer passes than isfinite.
+            self.nonfinite.add_(x.numel() - torch.count_nonzero(x.abs() < math.inf))
 
     def _describe(self) -> str:
         """The point for an error message raised in forward: its QSpec and

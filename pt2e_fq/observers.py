@@ -305,27 +305,34 @@ class HistogramObserver(RangeObserver):
             else:
                 row = torch.arange(start, start + v.numel(), device=v.device) // per_row
                 row_lo, row_width = lo[row], width[row]
-            pos = v.double().sub_(row_lo).div_(row_width).mul_(self.bins).floor_()
-            # An empty row's range is (+inf, -inf): every value of it is non-finite, its position NaN or +-inf.
-            pos = pos.nan_to_num_(-1.0, -1.0, -1.0).clamp_(max=self.bins - 1).add_(1.0)
+            # row_lo is float64 and one-dimensional: the subtraction runs in float64, as v.double() - row_lo.
+            pos = torch.sub(v, row_lo).div_(row_width).mul_(self.bins)
+            # An empty row's range is (+inf, -inf): every value of it is non-finite, its position NaN or
+            # +-inf. Truncation is floor on positions >= 0.
+            index = pos.nan_to_num_(-1.0, -1.0, -1.0).clamp_(max=self.bins - 1).long().add_(1)
             if not per_tensor:
-                pos = pos.add_(row * (self.bins + 1))
-            counts.scatter_add_(0, pos.long(), one.expand(v.numel()))
+                index = index.add_(row * (self.bins + 1))
+            counts.scatter_add_(0, index, one.expand(v.numel()))
         return counts
 
     def accumulate(self, x: torch.Tensor, block_size: Sequence[int], old: Optional[Range], new: Range,
-                   histogram: Optional[torch.Tensor], reduce_sum: Optional[Callable] = None) -> torch.Tensor:
+                   histogram: Optional[torch.Tensor], reduce_sum: Optional[Callable] = None,
+                   nonfinite: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The histogram (float64, reduced shape + (bins,)) over the range
         `new` of the values so far: `histogram` (over `old`, None before the
         first batch) re-binned, plus x's finite values (counted over every
         rank with `reduce_sum`, an all-reduce SUM: the ranges are already
-        the same on every rank)."""
+        the same on every rank). `nonfinite`, an int64 counter, is added x's
+        count of NaN and +-Inf values (this rank's), which the binning
+        counts anyway."""
         lo, hi = new[0].reshape(-1), new[1].reshape(-1)
         blocks = lo.numel()
         if x.numel() > 0:
             rows = _blocks_as_rows(x, block_size)
-            counts = self._count(rows.reshape(-1), rows.shape[1], lo, hi).view(blocks, self.bins + 1)[:, 1:]
-            counts = counts.contiguous().view(-1)
+            counts = self._count(rows.reshape(-1), rows.shape[1], lo, hi).view(blocks, self.bins + 1)
+            if nonfinite is not None:  # less the NaN padding of a ragged last block
+                nonfinite.add_(counts[:, 0].sum().long() - (rows.numel() - x.numel()))
+            counts = counts[:, 1:].contiguous().view(-1)
         else:
             counts = torch.zeros(blocks * self.bins, dtype=torch.float64, device=lo.device)
         if reduce_sum is not None:

@@ -141,3 +141,25 @@ def test_a_4096_channel_point_calibrates_within_256_mib_plus_16x_its_input():
     done = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ragged_groups_count_each_blocks_finite_values_as_histc_and_the_rest_as_nonfinite(dtype):
+    # Groups of 7 along 20 values: the last group has 6 values and one NaN of
+    # padding, which is neither binned nor counted as the input's. Values sit
+    # at bin centres of each block's range (no value on an edge), so ATen's
+    # histc over the block's finite values is the reference.
+    bins, g = 16, torch.Generator().manual_seed(5)
+    x = ((torch.randint(0, bins, (3, 20), generator=g).float() + 0.5) / bins * 4.0 - 2.0)
+    x[:, [0, 7, 14]], x[:, [6, 13, 18]] = -2.0, 2.0  # every group's range is [-2, 2]
+    x[0, 3], x[1, 15], x[2, 19] = math.nan, math.inf, -math.inf
+    x = x.to(dtype)
+    point = FakeQuantize(_spec(q.PerGroup(7, 1), bins=bins))
+    point(x)
+    assert point.nonfinite_count == 3
+    hist = point.histogram.reshape(3, 3, bins)
+    for r in range(3):
+        for b in range(3):
+            block = x[r, 7 * b:7 * b + 7].float()
+            block = block[torch.isfinite(block)]
+            assert torch.equal(hist[r, b], torch.histc(block, bins=bins, min=-2.0, max=2.0).double()), (r, b)

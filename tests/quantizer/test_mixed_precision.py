@@ -1,0 +1,210 @@
+"""Average weight bits, per-point sensitivity and budgeted mixed precision
+(quantizers.mixed_precision): bits against values computed by hand for
+each format, a point's noise against the model run with that weight
+fake-quantized by hand, the budgeted choice against an exhaustive search,
+and the chosen config through a YAML file."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
+
+import pt2e_fq as q
+from quantizers import FakeQuantQuantizer, QuantizerConfig, presets
+from quantizers import mixed_precision as mp
+
+W = (64, 128)  # a linear weight (out, in): 8192 elements
+
+
+def _weight(preset: str) -> q.QSpec:
+    return presets.get_preset(preset).global_config.weight
+
+
+@pytest.mark.parametrize("spec, shape, bits", [
+    (_weight("w4a8"), W, 4 * 8192 + 16 * 64 * 4),  # int4, groups of 32: 4.5 per weight
+    (_weight("nvfp4"), W, 4 * 8192 + 8 * 64 * 8 + 32),  # E2M1, an E4M3 per 16, one fp32 global: 4.5 + 32 / 8192
+    (_weight("mxfp4"), W, 4 * 8192 + 8 * 64 * 4),  # E2M1, an E8M0 per 32: 4.25
+    (_weight("w8a8"), W, 8 * 8192 + 16 * 64),  # int8 per channel: 8 + 16 / 128
+    (_weight("w4a16"), W, 4 * 8192 + 16 * 256 + 16 * 256),  # int4 groups of 32, MINVAL: a float offset each: 5.0
+    (q.QSpec(q.INT4, q.PerGroup(32, 1), "asymmetric"), W, 4 * 8192 + 16 * 256 + 4 * 256),  # int4 zero points: 4.625
+    (_weight("w4a8"), (2, 40), 4 * 80 + 16 * 2 * 2),  # a ragged last group still has a scale
+    (_weight("fp8"), W, 8 * 8192 + 16 * 64),  # fp8 per channel
+    (None, W, 32 * 8192),  # float
+], ids=["w4a8", "nvfp4", "mxfp4", "w8a8", "w4a16_minval", "int4_zero_point", "ragged", "fp8", "float"])
+def test_weight_bits_are_code_scale_and_zero_point_bits(spec, shape, bits):
+    assert mp.weight_bits(spec, shape) == bits
+
+
+def test_the_issue_figures_per_weight():
+    assert mp.weight_bits(_weight("w4a8"), W) / 8192 == 4.5
+    assert mp.weight_bits(_weight("mxfp4"), W) / 8192 == 4.25
+    assert mp.weight_bits(_weight("nvfp4"), W) / 8192 == pytest.approx(4.5, abs=1e-2)
+    assert mp.weight_bits(None, W) / 8192 == 32
+
+
+class _Net(nn.Module):
+    """An embedding (not counted), a depthwise conv (int4 groups span its
+    3x3 kernel: 9 weights per scale), a conv and two linears."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.dw = nn.Conv2d(8, 8, 3, groups=8, padding=1)
+        self.pw = nn.Conv2d(8, 32, 1)
+        self.fc = nn.Linear(32, 64)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x, ids):
+        x = x + self.embed(ids).mean(1)[:, :, None, None]
+        x = torch.relu(self.pw(torch.relu(self.dw(x))))
+        return self.head(torch.relu(self.fc(x.mean((2, 3)))))
+
+
+def _inputs(seed: int, n: int = 4):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 8, 6, 6, generator=g), torch.randint(0, 10, (n, 3), generator=g)
+
+
+def _prepare(model, config):
+    gm = torch.export.export(model, _inputs(0)).module()
+    return prepare_pt2e(gm, FakeQuantQuantizer(config))
+
+
+def test_average_weight_bits_of_a_prepared_model_by_hand():
+    torch.manual_seed(0)
+    model = _Net().eval()
+    config = presets.get_preset("w4a8").set_module_name("fc", None)
+    got = mp.average_weight_bits(_prepare(model, config))
+    dw = 4 * 72 + 16 * 8  # (8, 1, 3, 3): one scale per 9 weights
+    pw = 4 * 256 + 16 * 32  # (32, 8, 1, 1): a group is the 8 input channels, one scale per output channel
+    fc = 32 * 2048  # float
+    head = 4 * 640 + 16 * 10 * 2  # (10, 64): two groups of 32 per row
+    assert got == (dw + pw + fc + head) / (72 + 256 + 2048 + 640)
+
+
+# -- sensitivity ----------------------------------------------------------------
+
+
+class _MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+@pytest.fixture(scope="module")
+def measured():
+    torch.manual_seed(0)
+    model = _MLP().eval()
+    g = torch.Generator().manual_seed(1)
+    calibration = [torch.randn(16, 32, generator=g) for _ in range(2)]
+    evaluation = [torch.randn(16, 32, generator=g) for _ in range(2)]
+    gm = torch.export.export(model, (calibration[0],)).module()
+    s = mp.sensitivity(gm, calibration, evaluation, ("w4a8", "w8a8"), progress=False)
+    return model, calibration, evaluation, s
+
+
+def test_a_weight_points_noise_is_the_model_with_that_weight_fake_quantized_by_hand(measured):
+    model, _, evaluation, s = measured
+    row = next(p for p in s.points if p["candidate"] == "w8a8" and p["module"] == "fc2" and "weight" in p["role"])
+    w = model.fc2.weight.detach()
+    scale = w.abs().amax(1, keepdim=True) / 127  # int8 symmetric narrow per output channel
+    w_q = torch.round(w / scale).clamp(-127, 127) * scale
+    original = model.fc2.weight.data.clone()
+    with torch.no_grad():
+        reference = torch.cat([model(x) for x in evaluation]).double()
+        model.fc2.weight.data = w_q
+        quantized = torch.cat([model(x) for x in evaluation]).double()
+        model.fc2.weight.data = original
+    expected = ((reference - quantized) ** 2).sum() / (reference ** 2).sum()
+    assert row["noise"] == pytest.approx(float(expected), rel=1e-4)
+    assert row["noise"] > 0
+
+
+def test_int4_weights_cost_more_than_int8_and_float_nothing(measured):
+    s = measured[3]
+    assert set(s.layers) == {"fc1", "fc2", "fc3"}
+    for layer in s.layers.values():
+        assert layer.noise["w4a8"] > layer.noise["w8a8"] > 0 == layer.noise["float"]
+        assert layer.bits["w4a8"] < layer.bits["w8a8"] < layer.bits["float"]
+    text = s.table()
+    assert "fc2" in text and "w4a8 dB" in text and "w8a8 dB" in text
+
+
+def _budgets_config_bits(model, calibration, config) -> float:
+    gm = torch.export.export(model, (calibration[0],)).module()
+    return mp.average_weight_bits(prepare_pt2e(gm, FakeQuantQuantizer(config)))
+
+
+@pytest.mark.parametrize("budget", [4.5, 5.0, 6.0, 8.2, 40.0])
+def test_the_chosen_config_keeps_to_the_budget_and_round_trips_through_yaml(measured, budget, tmp_path):
+    model, calibration, evaluation, s = measured
+    chosen = mp.mixed_precision(s, budget)
+    path = tmp_path / "mixed.yaml"
+    chosen.config.save(path)
+    loaded = QuantizerConfig.load(path)
+    assert loaded == chosen.config
+    bits = _budgets_config_bits(model, calibration, loaded)
+    assert bits == pytest.approx(chosen.average_bits, rel=1e-12)
+    assert bits <= budget
+    if budget >= 32:
+        assert set(chosen.choices.values()) == {"float"}
+    x = calibration[0]
+    a = _prepare_mlp(model, x, chosen.config)
+    b = _prepare_mlp(model, x, loaded)
+    assert torch.equal(a(x), b(x))
+
+
+def _prepare_mlp(model, x, config):
+    prepared = prepare_pt2e(torch.export.export(model, (x,)).module(), FakeQuantQuantizer(config))
+    with torch.no_grad():
+        prepared(x)
+    return prepared
+
+
+def test_a_budget_below_the_smallest_formats_is_an_error(measured):
+    with pytest.raises(ValueError, match=r"budget_bits 4.0 is below 4\.5"):
+        mp.mixed_precision(measured[3], 4.0, allow_float=False)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), budget=st.floats(4.0, 33.0))
+def test_the_choice_is_the_exhaustive_searchs_best(seed, budget):
+    g = torch.Generator().manual_seed(seed)
+    layers = {}
+    for i in range(4):
+        n = int(torch.randint(1, 5000, (), generator=g))
+        layer = mp.Layer(f"l{i}", "linear", [(f"l{i}", "torch.nn.modules.linear.Linear")], n)
+        noise = torch.rand(2, generator=g).sort(descending=True).values.tolist()
+        layer.bits = {"w4a8": 4.5 * n, "w8a8": (8 + 0.125) * n, "float": 32.0 * n}
+        layer.noise = {"w4a8": noise[0], "w8a8": noise[1] * 0.1, "float": 0.0}
+        layers[layer.name] = layer
+    s = mp.Sensitivity(("w4a8", "w8a8"), [], layers, 1)
+    total = sum(layer.elements for layer in layers.values())
+    options = ("w4a8", "w8a8", "float")
+    feasible = [c for c in itertools.product(options, repeat=4)
+                if sum(layers[f"l{i}"].bits[o] for i, o in enumerate(c)) <= budget * total]
+    if not feasible:
+        with pytest.raises(ValueError):
+            mp.mixed_precision(s, budget)
+        return
+    best = min(sum(layers[f"l{i}"].noise[o] for i, o in enumerate(c)) for c in feasible)
+    chosen = mp.mixed_precision(s, budget)
+    assert chosen.average_bits <= budget
+    noise = sum(layers[n].noise[c] for n, c in chosen.choices.items())
+    # The knapsack rounds bits up to 1/2**17 of the budget: a choice within that of the budget may be missed.
+    slack = [c for c in feasible if sum(layers[f"l{i}"].bits[o] for i, o in enumerate(c))
+             <= budget * total * (1 - 4 / 2**17)]
+    if slack:
+        assert noise <= min(sum(layers[f"l{i}"].noise[o] for i, o in enumerate(c)) for c in slack) + 1e-12
+    assert noise >= best - 1e-12
+    assert math.isclose(chosen.predicted_sqnr_db, -10 * math.log10(noise)) if noise > 0 else True
