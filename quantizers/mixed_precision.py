@@ -21,8 +21,9 @@ of its weight point plus that of its input activation points.
 weight and inputs float) to minimise the summed noise, the standard
 additive model of independent quantization errors, with the average weight
 bits of `average_weight_bits` at most the budget (a multiple-choice
-knapsack, solved exactly on the bits rounded up to 1/2**17 of the budget,
-so the result never exceeds it). The config it returns is the first
+knapsack, solved exactly on the bits in units of 1/2**17 of the budget,
+rounded down, and again with less room while the choice overruns, so the
+result never exceeds the budget). The config it returns is the first
 candidate preset with a module-name entry per layer.
 
 Average weight bits count every weight a computing op reads (embedding
@@ -183,7 +184,7 @@ class Sensitivity:
             by_point.setdefault((p["module"], p["role"]), {})[p["candidate"]] = _db(p["noise"])
         rows = sorted(by_point.items(), key=lambda kv: min(kv[1].values()))[:top]
         body = [(m, r, *(("-" if c not in v else f"{v[c]:.1f}") for c in self.candidates)) for (m, r), v in rows]
-        return tabulate(body, headers=("module", "role", *(f"{c} dB" for c in self.candidates)))
+        return tabulate(body, headers=("module", "role", *(f"{c} dB" for c in self.candidates)), disable_numparse=True)
 
 
 def _db(noise: float) -> float:
@@ -310,9 +311,38 @@ class MixedPrecision:
                  f"{_db(self.layers[n].noise[c]):.1f}") for n, c in self.choices.items()]
         counts = {c: sum(1 for v in self.choices.values() if v == c) for c in dict.fromkeys(self.choices.values())}
         summary = ", ".join(f"{k} {v}" for k, v in counts.items())
-        return (tabulate(body, headers=("layer", "format", "weights", "bits / weight", "SQNR alone dB"))
+        return (tabulate(body, headers=("layer", "format", "weights", "bits / weight", "SQNR alone dB"),
+                         disable_numparse=True)
                 + f"\n{summary}; average {self.average_bits:.3f} bits per weight; predicted SQNR "
                 f"{self.predicted_sqnr_db:.1f} dB")
+
+
+def _knapsack(layers: list, options: tuple, unit: float, capacity: int) -> dict:
+    """The choice per layer (layer name -> option) of least summed noise
+    whose sizes, each layer's bits in units rounded down, sum to at most
+    `capacity`: dynamic programming over the used units."""
+    inf = torch.tensor(math.inf, dtype=torch.float64)
+    best = torch.full((capacity + 1,), math.inf, dtype=torch.float64)
+    best[0] = 0.0
+    picks = []
+    for layer in layers:
+        new, pick = torch.full_like(best, math.inf), torch.zeros(best.shape, dtype=torch.int8)
+        for i, c in enumerate(options):
+            size = int(layer.bits[c] // unit)
+            if size > capacity:
+                continue
+            shifted = torch.cat([inf.expand(size), best[:len(best) - size]]) + layer.noise[c]
+            better = shifted < new
+            new, pick = torch.where(better, shifted, new), torch.where(better, i, pick)
+        best = new
+        picks.append(pick)
+    at = int(best.argmin())
+    choices = {}
+    for layer, pick in zip(reversed(layers), reversed(picks)):
+        c = options[int(pick[at])]
+        choices[layer.name] = c
+        at -= int(layer.bits[c] // unit)
+    return {layer.name: choices[layer.name] for layer in layers}
 
 
 def mixed_precision(measured: Sensitivity, budget_bits: float, *, allow_float: bool = True) -> MixedPrecision:
@@ -339,29 +369,16 @@ def mixed_precision(measured: Sensitivity, budget_bits: float, *, allow_float: b
     if budget_bits < smallest:
         raise ValueError(f"mixed_precision: budget_bits {budget_bits} is below {smallest:.4f}, the average of the "
                          f"smallest of {', '.join(options)} in every layer")
-    unit = budget_bits * elements / _BUDGET_UNITS
-    inf = torch.tensor(math.inf, dtype=torch.float64)
-    best = torch.full((_BUDGET_UNITS + 1,), math.inf, dtype=torch.float64)
-    best[0] = 0.0
-    picks = []
-    for layer in layers:
-        new, pick = torch.full_like(best, math.inf), torch.zeros(best.shape, dtype=torch.int8)
-        for i, c in enumerate(options):
-            size = math.ceil(layer.bits[c] / unit - 1e-9)
-            if size > _BUDGET_UNITS:
-                continue
-            shifted = torch.cat([inf.expand(size), best[:len(best) - size]]) + layer.noise[c]
-            better = shifted < new
-            new, pick = torch.where(better, shifted, new), torch.where(better, i, pick)
-        best = new
-        picks.append(pick)
-    at = int(best.argmin())
-    choices = {}
-    for layer, pick in zip(reversed(layers), reversed(picks)):
-        c = options[int(pick[at])]
-        choices[layer.name] = c
-        at -= math.ceil(layer.bits[c] / unit - 1e-9)
-    choices = {layer.name: choices[layer.name] for layer in layers}
+    allowed = budget_bits * elements
+    unit = allowed / _BUDGET_UNITS
+    capacity = _BUDGET_UNITS
+    while True:
+        choices = _knapsack(layers, options, unit, capacity)
+        used = sum(layer.bits[choices[layer.name]] for layer in layers)
+        if used <= allowed:
+            break
+        # Sizes are rounded down: a choice may overrun by less than a unit per layer. Tighten and solve again.
+        capacity -= math.ceil((used - allowed) / unit)
     base = measured.candidates[0]
     config = QuantizerConfig.from_dict(_config_of(base).to_dict())
     configs = {c: _config_of(c) for c in measured.candidates}

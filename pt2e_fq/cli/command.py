@@ -119,6 +119,12 @@ def _parser() -> argparse.ArgumentParser:
                           help="calibration batches: a list of batches (each a tensor or a tuple of tensors), "
                                "or one tensor split into batches of the example's batch size "
                                "(default: the example input)")
+    quantize.add_argument("--mixed-budget", type=_positive_float, metavar="BITS",
+                          help="with --preset: per layer, the preset's weights, w8a8's (int8 per channel) or "
+                               "float, at most BITS average weight bits, chosen by each point's sensitivity on "
+                               "the calibration data (quantizers.mixed_precision; docs/quantizers.md)")
+    quantize.add_argument("--save-config", metavar="FILE.yaml",
+                          help="write the config used (with --mixed-budget: the chosen one) as YAML or JSON")
     quantize.add_argument("--qat-steps", type=_int_at_least(0), default=0, metavar="N",
                           help="QAT steps after calibration, distilling the float model's outputs (default 0: PTQ)")
     quantize.add_argument("--lr", type=_positive_float, default=1e-4, help="QAT learning rate (Adam; default 1e-4)")
@@ -436,6 +442,11 @@ def cmd_quantize(args) -> int:
         if args.unsupported == "keep":
             raise UsageError("--pte: --unsupported keep leaves pt2e_fq ops, which ExecuTorch cannot run; "
                              "allowed with --pte: error, float")
+    if args.mixed_budget is not None and not args.preset:
+        raise UsageError("--mixed-budget: give the base format with --preset (e.g. --preset w4a8)")
+    if args.save_config and not args.save_config.endswith((".yaml", ".yml", ".json")):
+        raise UsageError(f"--save-config: expected a .yaml, .yml or .json file name, got {args.save_config!r}")
+    _check_output("--save-config", args.save_config, Path(args.save_config or "").suffix)
     example = example_inputs(args.example_input)
     config = quantizer_config(args)
     calibration = calibration_batches(args.calib_data, example, args.static_batch) if args.calib_data else None
@@ -452,6 +463,11 @@ def cmd_quantize(args) -> int:
     from ..export import check_lowered, check_onnx, save, to_executorch, to_onnx, to_qdq
     from ..report import report
 
+    if args.mixed_budget is not None:
+        config = _mixed_config(args, model, example, calibration or [example])
+    if args.save_config:
+        config.save(args.save_config)
+        print(f"saved {args.save_config}")
     try:
         converted = pipeline.quantize(model, example, config, calibration=calibration, qat_steps=args.qat_steps,
                                       lr=args.lr, progress=not args.no_progress, dynamic_batch=not args.static_batch)
@@ -486,6 +502,24 @@ def cmd_quantize(args) -> int:
         print(f"ExecuTorch against the fake-quant graph:\n{check}")
         _check_passed(check, f"the ExecuTorch program {args.pte}")
     return 0
+
+
+def _mixed_config(args, model, example, calibration):
+    """--mixed-budget: the sensitivity table and the chosen config."""
+    from quantizers import mixed_precision
+
+    from . import pipeline
+
+    candidates = tuple(dict.fromkeys((args.preset, "w8a8")))
+    measured = mixed_precision.sensitivity(pipeline.export(model, example, dynamic_batch=not args.static_batch),
+                                           calibration, calibration, candidates, progress=not args.no_progress)
+    print(f"sensitivity: each point alone quantized, output SQNR on the calibration data\n{measured.table()}\n")
+    try:
+        chosen = mixed_precision.mixed_precision(measured, args.mixed_budget)
+    except ValueError as e:
+        raise UsageError(f"--mixed-budget: {e}") from None
+    print(f"mixed precision within {args.mixed_budget:g} bits per weight\n{chosen.table()}\n")
+    return chosen.config
 
 
 class CheckFailed(Exception):
