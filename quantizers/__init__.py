@@ -4,7 +4,7 @@
     quantizer = FakeQuantQuantizer(presets.get_preset("w8a8").set_module_name("head", None))
 """
 
-from . import presets
+from . import mixed_precision, presets
 from .config import OpConfig, QuantizerConfig
 from .patterns import OP_TYPES
 from .qspec_dict import ConfigError
@@ -18,4 +18,5 @@ __all__ = [
     "ConfigError",
     "UnsupportedQuantizationError",
     "presets",
+    "mixed_precision",
 ]
