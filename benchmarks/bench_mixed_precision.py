@@ -2,7 +2,7 @@
 presets, at their average weight bits (quantizers.mixed_precision).
 
 Per model: the sensitivity of every point (w4a8 and w8a8, each point alone
-quantized, measured on the calibration batches), the most sensitive points
+quantized, measured on the calibration batches, the first one with --quick), the most sensitive points
 listed; then for each budget the per-layer choice among int4 in groups of
 32 (w4a8), int8 per channel (w8a8) and float, and rows for the uniform
 presets (get_preset, and w4a8 with presets.int8_edges on a CNN, as the
@@ -54,7 +54,9 @@ def run(name: str, budgets, quick: bool, top: int) -> None:
     model, calibration, held_out, metrics, keys = _setup(name, quick)
     reference = tm.outputs(model, held_out)
     start = time.perf_counter()
-    measured = mp.sensitivity(pipeline.export(model, calibration[0]), calibration, calibration, CANDIDATES)
+    # --quick: the noise of each point on the first calibration batch only (one forward per point and format).
+    evaluation = calibration[:1] if quick else calibration
+    measured = mp.sensitivity(pipeline.export(model, calibration[0]), calibration, evaluation, CANDIDATES)
     seconds = time.perf_counter() - start
     print(f"\n{name}: the {top} most sensitive points alone (output SQNR on the calibration batches, dB; "
           f"{seconds:.0f} s)")
