@@ -242,7 +242,7 @@ def sensitivity(gm: GraphModule, calibration: Iterable, evaluation: Sequence,
     candidates = tuple(candidates)
     if not candidates or FLOAT in candidates:
         raise ValueError(f"sensitivity: candidates must be preset names ({', '.join(presets.PRESETS)}); "
-                         f"'{FLOAT}' is measured by nobody (its noise is 0), got {candidates!r}")
+                         f"'{FLOAT}' needs no measuring (mixed_precision always offers it), got {candidates!r}")
     configs = {c: _config_of(c) for c in candidates}
     calibration, evaluation = list(calibration), list(evaluation)
     reference = _run(gm, evaluation)
@@ -268,7 +268,9 @@ def sensitivity(gm: GraphModule, calibration: Iterable, evaluation: Sequence,
         nodes = [n for n in prepared.graph.nodes if n.op == "call_module" and n.target in modules]
         for node in tqdm(nodes, desc=f"sensitivity {candidate}", disable=not progress, leave=False):
             module, role = point_role(node.args[0], node)
-            key = (module, role, str(modules[node.target].qspec))
+            # A point of the same format and observer in an earlier candidate calibrated alike (no point
+            # quantizes during calibration): its noise is the same.
+            key = (module, role, modules[node.target].qspec)
             if key not in cache:
                 modules[node.target].enable_fake_quant(True)
                 cache[key] = _noise(reference, _run(prepared, evaluation))
