@@ -57,7 +57,7 @@ from pt2e_fq.spec.schemes import Formulation, Scheme
 
 from . import presets
 from .config import QuantizerConfig
-from .patterns import WEIGHT, match
+from .patterns import COMPUTING_OP_TYPES, WEIGHT, match, op_type
 from .plan import module_stack
 from .quantizer import FakeQuantQuantizer
 
@@ -67,7 +67,6 @@ SCALE_BITS = 16  # a scale stored as fp16
 GLOBAL_SCALE_BITS = 32  # NVFP4's per-tensor fp32 global scale
 # Block scales of the block-scaled float formats, by element: E8M0 (MX) is an 8-bit exponent.
 _BLOCK_SCALE_BITS = {"e8m0": 8, **{name: e.bits for name, e in ELEMENTS.items()}}
-_EMBEDDING = torch.ops.aten.embedding.default
 # Sizes in units of 1/_BUDGET_UNITS of the budget: the knapsack's resolution.
 _BUDGET_UNITS = 1 << 17
 
@@ -115,12 +114,14 @@ def _is_point(gm: GraphModule):
 
 def _counted_weights(gm: GraphModule) -> dict[str, tuple[tuple, Optional[QSpec]]]:
     """{weight: (shape, its point's QSpec or None)} for the weights computing
-    ops read (module doc: embedding tables left out)."""
+    ops read (module doc: embedding tables and parameters that only other
+    ops read left out)."""
     is_point = _is_point(gm)
     found = {}
     for name, (shape, readers) in weight_readers(gm, is_point).items():
         ops = [u for r in readers for u in (r.users if is_point(r) else (r,))]
-        if not ops or any(op.target is _EMBEDDING for op in ops):
+        # A 2-D parameter added to activations (BERT's position embeddings) is no weight of a computing op.
+        if not any(op_type(op) in COMPUTING_OP_TYPES for op in ops):
             continue
         points = [r for r in readers if is_point(r)]
         found[name] = (shape, gm.get_submodule(points[0].target).qspec if points else None)

@@ -91,6 +91,15 @@ _OP_TYPE_OF = {
     for op in ops
 }
 
+# The op types that compute with a weight (an embedding looks rows up).
+COMPUTING_OP_TYPES = (*_WEIGHTED_OPS, *_MATMUL_OPS, *_LINEAR_FORMS)
+
+
+def op_type(node: Node) -> Optional[str]:
+    """The op type (one of OP_TYPES) of a call_function node, or None."""
+    return _OP_TYPE_OF.get(node.target) if node.op == "call_function" else None
+
+
 # Conv weights are stored (out, in/groups, ...), conv_transpose weights
 # (in, out/groups, ...): weight granularity axes 0 and 1 are swapped for them.
 _TRANSPOSED_WEIGHT_OPS = ("conv_transpose1d", "conv_transpose2d")

@@ -50,19 +50,20 @@ def test_the_issue_figures_per_weight():
 
 
 class _Net(nn.Module):
-    """An embedding (not counted), a depthwise conv (int4 groups span its
+    """An embedding and an added parameter (not counted), a depthwise conv (int4 groups span its
     3x3 kernel: 9 weights per scale), a conv and two linears."""
 
     def __init__(self):
         super().__init__()
         self.embed = nn.Embedding(10, 8)
+        self.position = nn.Parameter(torch.randn(6, 6))  # 2-D, added (as BERT's position embeddings): not counted
         self.dw = nn.Conv2d(8, 8, 3, groups=8, padding=1)
         self.pw = nn.Conv2d(8, 32, 1)
         self.fc = nn.Linear(32, 64)
         self.head = nn.Linear(64, 10)
 
     def forward(self, x, ids):
-        x = x + self.embed(ids).mean(1)[:, :, None, None]
+        x = x + self.embed(ids).mean(1)[:, :, None, None] + self.position
         x = torch.relu(self.pw(torch.relu(self.dw(x))))
         return self.head(torch.relu(self.fc(x.mean((2, 3)))))
 
