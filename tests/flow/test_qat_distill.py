@@ -148,3 +148,29 @@ def test_a_student_that_is_not_a_graph_module_is_refused():
     teacher = ReluMLP()
     with pytest.raises(TypeError, match="student must be the GraphModule"):
         qat.distill(ReluMLP(), teacher, _data(2, 1), steps=2)
+
+
+def test_a_diverging_run_stops_with_a_one_line_error():
+    torch.manual_seed(0)
+    teacher = ReluMLP()
+    student = _student(teacher)
+    with pytest.raises(qat.TrainingDiverged, match="at step") as e:
+        qat.distill(student, teacher, [x * 1e30 for x in _data(2, 1)], steps=2, lr=1e30, progress=False)
+    assert "\n" not in str(e.value)
+
+
+def test_evaluate_sees_a_copy_and_is_recorded():
+    torch.manual_seed(0)
+    teacher = ReluMLP()
+    student = _student(teacher)
+    seen = []
+
+    def evaluate(copy):
+        seen.append(copy)
+        return _held_out_error(copy, teacher)
+
+    history = qat.distill(student, teacher, _data(4, 1), steps=6, lr=3e-4, evaluate=evaluate, eval_every=3,
+                          progress=False)
+    assert [step for step, _ in history.evaluations] == [3, 6]
+    assert all(copy is not student for copy in seen)
+    assert history.evaluations[-1][1] == pytest.approx(_held_out_error(student, teacher))
