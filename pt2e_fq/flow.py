@@ -18,6 +18,10 @@ the stock flow needs, and the end of QAT.
   builds 96 pattern graphs to find that out (tens of seconds on a QAT CNN).
 - `freeze_qat`: the eval switch, one forward with the observers on (the
   weight qparams of a conv-bn see the final statistics), observers off.
+- `own_tensors`: the exported graph's own copies of its parameters and
+  buffers (FakeQuantQuantizer runs it in prepare): the GraphModule of
+  `torch.export.export(model, ...).module()` holds the very tensors of
+  `model`, so training it would train the user's float model too.
 """
 
 from __future__ import annotations
@@ -37,6 +41,38 @@ from .fake_quantize import FakeQuantize
 from .graph import as_args
 
 aten = torch.ops.aten
+
+
+def own_tensors(gm: torch.nn.Module) -> torch.nn.Module:
+    """Gives `gm` its own copy of every parameter and buffer, in place:
+    `torch.export.export(model, ...).module()` shares them with `model`, so
+    QAT (optimizer steps, batch norms' running statistics) would change the
+    float model, which is often the distillation teacher too. A tensor held
+    under several names (tied weights) is copied once and stays tied; a
+    parameter stays a Parameter with its requires_grad.
+
+    Args:
+        gm: a module, usually the GraphModule of an exported program.
+
+    Returns:
+        `gm`, holding no tensor it held before (their values unchanged).
+    """
+    copies: dict[int, torch.Tensor] = {}
+
+    def copy_of(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in copies:
+            data = t.detach().clone()
+            copies[id(t)] = torch.nn.Parameter(data, t.requires_grad) if isinstance(t, torch.nn.Parameter) else data
+        return copies[id(t)]
+
+    for module in gm.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[name] = copy_of(p)
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[name] = copy_of(b)
+    return gm
 
 
 def _is_random(node: torch.fx.Node) -> bool:

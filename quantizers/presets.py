@@ -70,7 +70,7 @@ from pt2e_fq import (
     QSpec,
 )
 from pt2e_fq.export.lowering.qdq import XNNPACK_FUSED_ACTIVATIONS
-from pt2e_fq.spec.format_kinds import MX, kind_of
+from pt2e_fq.spec.format_kinds import INTEGER, MX, kind_of
 
 from .config import OpConfig, QuantizerConfig
 from .patterns import CONV_OPS
@@ -181,10 +181,74 @@ def _for_x86_inductor(config: QuantizerConfig) -> QuantizerConfig:
     return config
 
 
-def get_preset(name: str, target: str = "generic", *, qat: bool = False) -> QuantizerConfig:
+def _op_configs(config: QuantizerConfig):
+    """(section, key, OpConfig) of every op config of `config` that quantizes something."""
+    yield "global", None, config.global_config
+    for section in ("operator_type", "module_type", "module_name", "module_name_regex"):
+        for key, op_config in getattr(config, section).items():
+            yield section, key, op_config
+
+
+# Presets whose every point is of an integer format: those learned ranges apply to (learnable_ranges).
+LEARNABLE_PRESETS = tuple(name for name, config in PRESETS.items()
+                          if all(kind_of(spec.format) is INTEGER for _, _, c in _op_configs(config) if c is not None
+                                 for spec in (c.input_activation, c.weight, c.bias, c.output_activation) if spec))
+
+
+def learnable_ranges(config: QuantizerConfig, where: str = "learnable_ranges") -> QuantizerConfig:
+    """`config` with every static point learnable (QSpec(learnable=True):
+    LSQ scales; LSQ+ offsets for asymmetric points, a floating zero point
+    or MINVAL's minval), in place: weights and static activations; dynamic
+    points stay as they are (their qparams follow each input). The observer
+    still sets each range at calibration; flow.start_learning_ranges (which
+    pt2e_fq.qat.distill calls) hands them to the optimizer.
+
+    Args:
+        config: the config to change.
+        where: the caller's name, for the error messages.
+
+    Returns:
+        `config`.
+
+    Raises:
+        ValueError: a static point of a float format (LSQ learns an integer
+            grid), or no static point at all; the message names the point.
+    """
+    import dataclasses
+
+    changed = 0
+    for section, key, op_config in list(_op_configs(config)):
+        if op_config is None:
+            continue
+        specs = {}
+        for role in ("input_activation", "weight", "bias", "output_activation"):
+            spec = getattr(op_config, role)
+            if spec is None or spec.dynamic or spec.learnable:
+                continue
+            if kind_of(spec.format) is not INTEGER:
+                place = "the global config" if section == "global" else f"{section} {key!r}"
+                raise ValueError(f"{where}: the {role} of {place} is {spec.format.name}; learned ranges (LSQ) need "
+                                 f"an integer format: use a preset with integer points ({', '.join(LEARNABLE_PRESETS)})")
+            specs[role] = dataclasses.replace(spec, learnable=True)
+        if specs:
+            changed += len(specs)
+            new = dataclasses.replace(op_config, **specs)
+            if section == "global":
+                config.global_config = new
+            else:
+                getattr(config, section)[key] = new
+    if not changed:
+        raise ValueError(f"{where}: the config has no static point to learn (dynamic points compute their ranges "
+                         "from every input)")
+    return config
+
+
+def get_preset(name: str, target: str = "generic", *, qat: bool = False, learnable: bool = False) -> QuantizerConfig:
     """A fresh copy of a preset (safe to change with the setters); with
     `qat`, its QAT form (MinMaxObserver on the static integer activations,
-    see the module doc).
+    see the module doc); with `learnable`, its weights and static
+    activations learn their ranges in training (learnable_ranges; integer
+    presets only: LEARNABLE_PRESETS).
 
     target (the targets of pt2e_fq.export.to_qdq): "generic", the preset;
     "x86_inductor", the preset with matmul and bmm float: Inductor runs a
@@ -196,12 +260,19 @@ def get_preset(name: str, target: str = "generic", *, qat: bool = False) -> Quan
     float; use every_point(name, target="xnnpack")."""
     if name not in PRESETS:
         raise ValueError(f"get_preset: unknown preset {name!r}; allowed: {', '.join(PRESETS)}")
+    if not isinstance(learnable, bool):
+        raise TypeError(f"get_preset: learnable must be a bool, got {learnable!r}")
+    if learnable and name not in LEARNABLE_PRESETS:
+        raise ValueError(f"get_preset: learnable=True: preset {name!r} has float-format points, and learned ranges "
+                         f"(LSQ) need integer ones; allowed: {', '.join(LEARNABLE_PRESETS)}")
     _check_target("get_preset", target)
     if target == "xnnpack":
         raise ValueError("get_preset: target 'xnnpack': XNNPACK runs a linear or conv in int8 only with its output "
                          "quantized, and the presets leave outputs float; use "
                          f"presets.every_point({name!r}, target='xnnpack')")
     config = QuantizerConfig.from_dict((_QAT_PRESETS if qat else PRESETS)[name].to_dict())
+    if learnable:
+        learnable_ranges(config, "get_preset")
     return _for_x86_inductor(config) if target == "x86_inductor" else config
 
 

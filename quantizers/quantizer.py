@@ -20,6 +20,7 @@ from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, Quantize
 
 from pt2e_fq import QSpec
 from pt2e_fq.eval_mode import record_batch_norms, restore_batch_norms
+from pt2e_fq.flow import own_tensors
 from pt2e_fq.ops.blocks import reduced_shape
 from pt2e_fq.graph import float_weights_text
 
@@ -91,7 +92,11 @@ class FakeQuantQuantizer(Quantizer):
     # -- torchao Quantizer ----------------------------------------------------------
 
     def transform_for_annotation(self, model: GraphModule) -> GraphModule:
-        """Records each batch norm's momentum and eps in `model.meta`:
+        """Gives `model` its own copies of its parameters and buffers
+        (pt2e_fq.flow.own_tensors): the GraphModule of
+        `torch.export.export(float_model, ...).module()` holds float_model's
+        tensors, and QAT would train them (a distillation teacher with them).
+        Records each batch norm's momentum and eps in `model.meta`:
         prepare_qat_pt2e's conv-bn fusion, which runs after this hook, writes
         0.1 and 1e-5 into every one (pt2e_fq.eval_mode).
 
@@ -101,6 +106,7 @@ class FakeQuantQuantizer(Quantizer):
         Returns:
             `model`, with nothing in its graph changed.
         """
+        own_tensors(model)
         record_batch_norms(model)
         return model
 

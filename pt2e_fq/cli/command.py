@@ -2,7 +2,7 @@
 
     pt2e-fq demo [--out DIR]
     pt2e-fq quantize --model pkg.module:factory --example-input 1x3x32x32 --preset w8a8
-                     [--calib-data batches.pt] [--qat-steps N] [--static-batch] [--out model.pt2] [--onnx model.onnx]
+                     [--calib-data batches.pt] [--qat-steps N] [--qat-loss mse|cosine|kl] [--static-batch] [--out model.pt2] [--onnx model.onnx]
                      [--target fake_quant|generic|xnnpack|x86_inductor] [--pte model.pte]
                      [--unsupported error|keep|float]
     pt2e-fq report model.pt2 [--trusted-module MODULE ...]
@@ -128,6 +128,9 @@ def _parser() -> argparse.ArgumentParser:
     quantize.add_argument("--qat-steps", type=_int_at_least(0), default=0, metavar="N",
                           help="QAT steps after calibration, distilling the float model's outputs (default 0: PTQ)")
     quantize.add_argument("--lr", type=_positive_float, default=1e-4, help="QAT learning rate (Adam; default 1e-4)")
+    quantize.add_argument("--qat-loss", choices=("mse", "cosine", "kl"), default="mse",
+                          help="QAT distillation loss on the outputs: mse (default), cosine (embeddings), "
+                               "kl (classifier logits, temperature 2)")
     quantize.add_argument("--static-batch", action="store_true",
                           help="export with the example's batch size (default: any batch size), for a model whose "
                                "batch dimension cannot be dynamic; every --calib-data batch must then have it")
@@ -470,7 +473,8 @@ def cmd_quantize(args) -> int:
         print(f"saved {args.save_config}")
     try:
         converted = pipeline.quantize(model, example, config, calibration=calibration, qat_steps=args.qat_steps,
-                                      lr=args.lr, progress=not args.no_progress, dynamic_batch=not args.static_batch)
+                                      lr=args.lr, loss=args.qat_loss,
+                                      temperature=2.0 if args.qat_loss == "kl" else 1.0, progress=not args.no_progress, dynamic_batch=not args.static_batch)
     except pipeline.ExportError as e:
         raise UsageError(f"--model: {e}") from None
     except pipeline.TrainingDiverged as e:

@@ -24,10 +24,8 @@ default), so the prepared and converted models take any batch size.
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 import io
-import math
 import re
 import sys
 import warnings
@@ -39,7 +37,8 @@ from tqdm import tqdm
 
 from quantizers import FakeQuantQuantizer, QuantizerConfig, presets
 
-from .. import calib
+from .. import calib, qat
+from ..qat import TrainingDiverged  # noqa: F401 (the pipeline's name for it)
 from ..graph import as_args
 from ..fake_quantize import FakeQuantize
 from ..flow import convert_pt2e as convert, freeze_qat, start_learning_ranges  # noqa: F401 (the pipeline's names for them)
@@ -58,11 +57,6 @@ class ExportError(RuntimeError):
     """torch.export cannot export the model: a one-line message (the
     reason and, where torch names it, the line of the model's code); torch's
     full report, and its partial graph, are on the chained `__cause__`."""
-
-
-class TrainingDiverged(ValueError):
-    """The loss or a trained parameter became NaN or infinite (a learning
-    rate too high, or non-finite data)."""
 
 
 # Where torch.export's message points at the model's code:
@@ -217,24 +211,12 @@ def train(
                 loss.backward()
                 optimizer.step()
                 losses.append(float(loss.detach()))
-                _check_finite(model, desc, losses)
+                qat.check_finite(model, desc, losses)
                 bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
                 bar.update(1)
                 if max_steps is not None and len(losses) >= max_steps:
                     return losses
     return losses
-
-
-def _check_finite(model: torch.nn.Module, desc: str, losses: list[float]) -> None:
-    """TrainingDiverged unless the step's loss and the trained parameters
-    after it are finite. The parameters too: a step can make them infinite
-    with a finite loss, and the next forward would then fail in a
-    fake-quant op on a NaN scale, far from the cause."""
-    if not math.isfinite(losses[-1]):
-        raise TrainingDiverged(f"{desc}: the loss became {losses[-1]} at step {len(losses)}")
-    for name, p in model.named_parameters():
-        if p.requires_grad and not torch.isfinite(p).all():
-            raise TrainingDiverged(f"{desc}: parameter {name} became NaN or infinite at step {len(losses)}")
 
 
 def quantize(
@@ -245,6 +227,8 @@ def quantize(
     calibration: Optional[Sequence] = None,
     qat_steps: int = 0,
     lr: float = 1e-4,
+    loss: str = "mse",
+    temperature: float = 1.0,
     progress: bool = True,
     dynamic_batch: bool = True,
     algorithms: bool = True,
@@ -257,10 +241,10 @@ def quantize(
     pt2e_fq.calib.apply runs the algorithms of presets.PTQ_ALGORITHMS
     between calibration and convert. With
     qat_steps > 0: prepare for QAT, calibrate, then train `qat_steps` steps
-    (Adam, `lr`) to match the float model's outputs on the calibration
-    batches (distillation, mean squared error), learnable ranges with the
-    rest (their observers off after calibration: start_learning_ranges),
-    freeze and convert.
+    to match the float model's outputs on the calibration batches
+    (pt2e_fq.qat.distill: Adam at `lr` with a cosine decay; `loss` "mse",
+    "cosine" or "kl" at `temperature` for logits), learnable ranges with
+    the rest (their observers off after calibration), freeze and convert.
     dynamic_batch=False exports with the example's batch size (a model
     whose batch dimension cannot be dynamic); then every calibration batch
     must have it. The model is not changed."""
@@ -270,7 +254,6 @@ def quantize(
     batches = [as_args(b) for b in (calibration if calibration is not None else [example])]
     if not batches:
         raise ValueError("quantize: calibration holds no batch")
-    model = copy.deepcopy(model)
     name = config if algorithms and qat_steps == 0 and isinstance(config, str) else None
     if name in presets.INT8_EDGE_PRESETS:
         config = presets.int8_edges(presets.get_preset(name), model)
@@ -279,18 +262,7 @@ def quantize(
     if name in presets.PTQ_ALGORITHMS:
         calib.apply(prepared, batches)
     if qat_steps > 0:
-        start_learning_ranges(prepared)
-        model.eval()
-        with torch.no_grad():
-            targets = [model(*b) for b in batches]
-        pairs = list(zip(batches, targets))
-        optimizer = torch.optim.Adam([p for p in prepared.parameters() if p.requires_grad], lr=lr)
-        epochs = -(-qat_steps // len(pairs))
-        train(prepared, pairs, _mse, optimizer, epochs=epochs, max_steps=qat_steps, desc="QAT", progress=progress)
+        qat.distill(prepared, model, batches, steps=qat_steps, loss=loss, temperature=temperature, lr=lr,
+                    progress=progress, desc="QAT")
         freeze_qat(prepared, batches[0])
     return convert(prepared)
-
-
-def _mse(output, target) -> torch.Tensor:
-    outputs, targets = as_args(output), as_args(target)
-    return sum(torch.nn.functional.mse_loss(o.float(), t.float()) for o, t in zip(outputs, targets))

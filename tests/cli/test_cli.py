@@ -103,6 +103,7 @@ def test_quantize_argument_errors(capsys, args, message):
         (["--preset", "w8a8", "--config", "c.yaml"], "argument --config: not allowed with argument --preset"),
         (["--qat-steps", "-1", "--preset", "w8a8"], "argument --qat-steps: expected an integer >= 0, got '-1'"),
         (["--qat-steps", "ten", "--preset", "w8a8"], "argument --qat-steps: expected an integer >= 0, got 'ten'"),
+        (["--qat-loss", "l1", "--preset", "w8a8"], "argument --qat-loss: invalid choice: 'l1'"),
         ([], "one of the arguments --preset --config is required"),
         (["--preset", "w8a8", "--lr", "-0.1"],
          "argument --lr: expected a number > 0 and at most 3.403e+38 (float32), got '-0.1'"),

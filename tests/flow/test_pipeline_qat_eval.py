@@ -86,6 +86,10 @@ def test_the_frozen_qat_graph_keeps_each_batch_norm_s_eps_and_momentum():
     frozen = _frozen(model)
     x = _batches(4)[-1]
     with torch.no_grad():
+        # The prepared model has its own batch norm statistics, which the calibration
+        # forwards (train mode) updated; the reference sees the same forwards.
+        for batch in _batches(3):
+            model.train()(batch)
         expected = model.eval()(x)
         frozen.apply(tao.disable_fake_quant)
         # momentum 0.01 kept: calibration moved the statistics by 1% of the batch's;

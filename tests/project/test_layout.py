@@ -30,8 +30,9 @@ LAYERS = (
     ("pt2e_fq.spec.format_kinds", "pt2e_fq.spec.qspec", "pt2e_fq.eval_mode"),
     ("pt2e_fq.fake_quantize", "pt2e_fq.distributed"),
     ("pt2e_fq.graph",),
-    # the per-point table, the stock-flow fixes, the post-calibration algorithms (GPTQ, bias correction)
-    ("pt2e_fq.report", "pt2e_fq.flow", "pt2e_fq.calib"),
+    # the per-point table, the stock-flow fixes, the post-calibration algorithms (GPTQ, bias correction),
+    # distillation QAT
+    ("pt2e_fq.report", "pt2e_fq.flow", "pt2e_fq.calib", "pt2e_fq.qat"),
     ("pt2e_fq.export",),
     ("pt2e_fq.plugins",),
     # the public API gathers the runtime's names (and quiets torchao's import through plugins.torchao)

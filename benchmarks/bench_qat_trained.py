@@ -1,0 +1,165 @@
+"""Distillation QAT on the trained checkpoints (benchmarks/trained_models.py):
+pt2e_fq.qat.distill from the pipeline's default w4a8 PTQ, with and without
+learnable ranges, against torchao's stock QAT, on the same data, steps,
+loss and optimizer.
+
+Flows, each from the float model:
+- "ours": the one-call PTQ of w4a8 (pipeline.quantize's preset default:
+  int8 edges on a CNN, calibration, GPTQ and bias correction), then
+  `qat.distill` on that prepared model: batch norms folded into the convs
+  by prepare_pt2e (frozen from the first step), observers off (the ranges
+  of the calibration; with learnable ranges, the optimizer moves them);
+- "ours learnable": the same with presets.learnable_ranges (LSQ scales,
+  LSQ+ offsets of the asymmetric activations, their own learning rate);
+- "XNNPACKQuantizer QAT": torchao's prepare_qat_pt2e on a train-mode export
+  with XNNPACKQuantizer().set_global(get_symmetric_quantization_config(
+  is_per_channel=True, is_qat=True, weight_qmin=-8, weight_qmax=7)), batch
+  norms frozen before calibration (torchao's recipe freezes them; before
+  calibration so that the calibration forwards do not move them), the same
+  distill call, then the eval switch and torchao's convert_pt2e.
+
+QAT data are the calibration draw (benchmarks/trained_models.py: sources
+disjoint from the held-out set); the held-out metric is top-1 agreement
+with the float model (EfficientNet-Lite0) or mean cosine to its embeddings
+(MiniLM), ± one standard error. Loss: KL at a temperature on logits, 1 -
+cosine on embeddings; Adam with a cosine decay.
+
+    python benchmarks/bench_qat_trained.py            # the documented table
+    python benchmarks/bench_qat_trained.py --quick    # fewer steps and samples
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import trained_models as tm  # noqa: E402
+
+from pt2e_fq import calib, qat  # noqa: E402
+from pt2e_fq.cli import pipeline  # noqa: E402
+from pt2e_fq.flow import convert_pt2e, move_exported_model_to_eval  # noqa: E402
+from quantizers import presets  # noqa: E402
+
+MODELS = ("efficientnet_lite0", "minilm")
+PRESET = "w4a8"
+# Per model: the metric, the distillation loss, and (full, quick) sizes: calibration/QAT samples,
+# held-out samples, steps. Learning rates: weights `lr`, learnable ranges `qparam_lr`.
+SETUPS = {
+    "efficientnet_lite0": dict(metric="top1", loss="kl", temperature=2.0, lr=1e-5, qparam_lr=1e-4,
+                               full=(64, 128, 80), quick=(32, 32, 10), batch=8),
+    "minilm": dict(metric="cosine", loss="cosine", temperature=1.0, lr=2e-5, qparam_lr=1e-4,
+                   full=(128, 256, 200), quick=(64, 64, 20), batch=16),
+}
+DIGITS = {"top1": 1, "cosine": 4}
+
+
+def _data(name: str, model, quick: bool):
+    setup = SETUPS[name]
+    train_n, held_n, steps = setup["quick" if quick else "full"]
+    if name == "efficientnet_lite0":
+        data, held_out = tm.image_data(train_n, held_n, batch=setup["batch"])
+        return data, held_out, tm.classifier_metrics, steps
+    data, held_out = tm.sentence_data(model.tokenizer, train_n, held_n, batch=setup["batch"])
+    return data, held_out, tm.embedding_metrics, steps
+
+
+def _flip(inputs: tuple) -> tuple:
+    """Image augmentation: a random horizontal flip of half the batch."""
+    (x,) = inputs
+    flip = torch.rand(len(x)) < 0.5
+    return (torch.where(flip[:, None, None, None], x.flip(-1), x),)
+
+
+def _stock_qat(model, data):
+    from torchao.quantization.pt2e.quantize_pt2e import prepare_qat_pt2e
+    from torchao.testing.pt2e._xnnpack_quantizer import XNNPACKQuantizer, get_symmetric_quantization_config
+
+    config = get_symmetric_quantization_config(is_per_channel=True, is_qat=True, weight_qmin=-8, weight_qmax=7)
+    prepared = prepare_qat_pt2e(pipeline.export(model.train(), data[0]), XNNPACKQuantizer().set_global(config))
+    model.eval()
+    qat.freeze_batch_norms(prepared)
+    pipeline.calibrate(prepared, data, progress=False)
+    return prepared
+
+
+def _stock_convert(prepared):
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e as torchao_convert
+
+    return torchao_convert(move_exported_model_to_eval(copy.deepcopy(prepared)))
+
+
+def _ours(model, data, learnable: bool):
+    config = presets.int8_edges(presets.get_preset(PRESET), model)
+    if learnable:
+        presets.learnable_ranges(config)
+    prepared = pipeline.prepare(model, data[0], config)
+    pipeline.calibrate(prepared, data, progress=False)
+    calib.apply(prepared, data)
+    return prepared
+
+
+def _ours_convert(prepared):
+    return convert_pt2e(copy.deepcopy(prepared))
+
+
+def run(name: str, quick: bool, flows) -> list:
+    model = tm.efficientnet_lite0() if name == "efficientnet_lite0" else tm.minilm()
+    setup = SETUPS[name]
+    data, held_out, metrics, steps = _data(name, model, quick)
+    reference = tm.outputs(model, held_out)
+    key, digits = setup["metric"], DIGITS[setup["metric"]]
+
+    def metric(converted):
+        return metrics(reference, tm.outputs(converted, held_out))[key]
+
+    rows = []
+    for flow in flows:
+        torch.manual_seed(0)
+        if flow == "XNNPACKQuantizer QAT":
+            prepared, convert = _stock_qat(model, data), _stock_convert
+        else:
+            prepared, convert = _ours(model, data, learnable=flow == "ours learnable"), _ours_convert
+        start = metric(convert(prepared))
+        history = qat.distill(prepared, model, data, steps=steps, loss=setup["loss"],
+                              temperature=setup["temperature"], lr=setup["lr"], qparam_lr=setup["qparam_lr"],
+                              freeze_observers_after=0, augment=_flip if name == "efficientnet_lite0" else None,
+                              progress=False, desc=f"{name} {flow}")
+        after = metric(convert(prepared))
+        losses = history.losses
+        rows.append((name, flow, PRESET, steps, format(start, f".{digits}f"), format(after, f".{digits}f"),
+                     f"{sum(losses[:5]) / 5:.4g} -> {sum(losses[-5:]) / 5:.4g}", f"{history.seconds:.0f}"))
+        print("  " + " | ".join(map(str, rows[-1])), flush=True)
+    return rows
+
+
+FLOWS = ("XNNPACKQuantizer QAT", "ours", "ours learnable")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
+    parser.add_argument("--flows", nargs="+", default=FLOWS, choices=FLOWS)
+    parser.add_argument("--quick", action="store_true", help="fewer samples and steps (a smoke run)")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = []
+    start = time.perf_counter()
+    for name in args.models:
+        rows += run(name, args.quick, args.flows)
+    print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} thread(s), {time.perf_counter() - start:.0f} s")
+    print(tabulate(rows, headers=("model", "flow", "preset", "steps", "PTQ start", "after QAT",
+                                  "train loss (first 5 -> last 5)", "QAT s"), tablefmt="github"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,383 @@
+"""Distillation QAT: a prepared (fake-quantized) student learns to reproduce
+its float teacher's outputs, the usual way to fine-tune a trained checkpoint
+for deployment when its training data and labels are not at hand.
+
+    prepared = prepare_qat_pt2e(torch.export.export(model.train(), example).module(), quantizer)
+    for batch in calibration:                      # observers see data
+        prepared(*batch)
+    history = pt2e_fq.qat.distill(prepared, model, batches, steps=300, loss="kl", temperature=2.0,
+                                  freeze_batch_norms_after=50)
+    pt2e_fq.freeze_qat(prepared, batches[0])       # then convert_pt2e
+
+- the teacher runs in eval mode without gradients and is left as it was
+  (prepare gives the student its own parameter copies: flow.own_tensors);
+- `loss`: "kl" for classifier logits (KL(teacher || student) of the
+  softmaxes at `temperature`, times temperature², Hinton et al.), "mse" for
+  embeddings or any output, "cosine" (1 - cosine similarity along the last
+  axis) for embeddings whose direction is what counts, or a callable;
+- `intermediate`: module paths (the student is an export of the teacher, so
+  the same paths name the same layers) whose outputs are matched too (mean
+  squared error, weighted `intermediate_weight`);
+- `freeze_batch_norms_after`: after that many steps every batch norm
+  normalises with its running statistics and stops updating them (the
+  running statistics of a small fine-tuning set are noisier than the
+  pre-trained ones);
+- `freeze_observers_after`: after that many steps every observer is off
+  (the ranges stay where they are, learnable ones keep learning);
+- `augment`: applied to each batch before both models see it;
+- a tqdm bar; the returned History holds the loss of every step and any
+  held-out evaluations (`evaluate` every `eval_every` steps).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+import torchao.quantization.pt2e as tao
+from tqdm import tqdm
+
+from .eval_mode import BATCH_NORM
+from .fake_quantize import FakeQuantize
+from .flow import start_learning_ranges
+from .graph import as_args
+
+LOSSES = ("kl", "mse", "cosine")
+
+
+class TrainingDiverged(ValueError):
+    """The loss or a trained parameter became NaN or infinite (a learning
+    rate too high, or non-finite data)."""
+
+
+@dataclass
+class History:
+    """What a distillation run did: `losses` the total loss of every step,
+    `intermediate_losses` the intermediate-matching part of it (empty
+    without `intermediate`), `evaluations` (step, value) pairs of
+    `evaluate`, `batch_norms_frozen_at` and `observers_off_at` the step
+    after which each happened (None: not during the run), `seconds` the
+    wall time."""
+
+    losses: list = field(default_factory=list)
+    intermediate_losses: list = field(default_factory=list)
+    evaluations: list = field(default_factory=list)
+    batch_norms_frozen_at: Optional[int] = None
+    observers_off_at: Optional[int] = None
+    seconds: float = 0.0
+
+
+def check_finite(model: torch.nn.Module, desc: str, losses: Sequence[float]) -> None:
+    """Raises TrainingDiverged unless the last loss and every trained
+    parameter are finite: a step can make a parameter infinite with a finite
+    loss, and the next forward would fail in a fake-quant op on a NaN scale,
+    far from the cause.
+
+    Args:
+        model: the model being trained.
+        desc: the loop's name, for the message.
+        losses: the losses so far (the last one is checked).
+
+    Raises:
+        TrainingDiverged: naming the step and the parameter.
+    """
+    if not math.isfinite(losses[-1]):
+        raise TrainingDiverged(f"{desc}: the loss became {losses[-1]} at step {len(losses)}")
+    for name, p in model.named_parameters():
+        if p.requires_grad and not torch.isfinite(p).all():
+            raise TrainingDiverged(f"{desc}: parameter {name} became NaN or infinite at step {len(losses)}")
+
+
+def freeze_batch_norms(prepared: torch.fx.GraphModule) -> int:
+    """Freezes every batch norm of an exported (prepared) model, in place:
+    it normalises with its running statistics and no longer updates them
+    (torchao's recipe for PT2E QAT: the batch_norm node's training flag set
+    to False). Conv-bn patterns of prepare_qat_pt2e then see fixed
+    statistics too.
+
+    Args:
+        prepared: a GraphModule from torch.export (prepared or not).
+
+    Returns:
+        The number of batch norms switched (0: none was in training mode).
+
+    Raises:
+        TypeError: `prepared` is not a torch.fx.GraphModule.
+    """
+    if not isinstance(prepared, torch.fx.GraphModule):
+        raise TypeError(f"freeze_batch_norms: prepared must be a torch.fx.GraphModule (from torch.export), got "
+                        f"{type(prepared).__name__}")
+    switched = 0
+    for n in prepared.graph.nodes:
+        if n.target is BATCH_NORM and n.args[5]:
+            n.args = (*n.args[:5], False, *n.args[6:])
+            switched += 1
+    if switched:
+        prepared.recompile()
+    return switched
+
+
+def _kl(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
+    t = temperature
+    s, r = F.log_softmax(student.float() / t, -1), F.log_softmax(teacher.float() / t, -1)
+    return F.kl_div(s.flatten(0, -2), r.flatten(0, -2), log_target=True, reduction="batchmean") * t * t
+
+
+def _output_loss(loss: Union[str, Callable], temperature: float) -> Callable:
+    if callable(loss):
+        return loss
+    if loss == "kl":
+        return lambda s, t: _kl(s, t, temperature)
+    if loss == "mse":
+        return lambda s, t: F.mse_loss(s.float(), t.float())
+    return lambda s, t: (1 - F.cosine_similarity(s.float(), t.float(), dim=-1)).mean()
+
+
+def _module_outputs(student: torch.fx.GraphModule, paths: Sequence[str]) -> dict[str, torch.fx.Node]:
+    """For each module path, the last node of the student's graph that
+    torch.export recorded inside that module (its output, for a module
+    whose body runs in order)."""
+    found = {}
+    for n in student.graph.nodes:
+        stack = {v[0] for v in n.meta.get("nn_module_stack", {}).values()}
+        for path in paths:
+            if path in stack:
+                found[path] = n
+    missing = [p for p in paths if p not in found]
+    if missing:
+        raise ValueError(f"distill: intermediate names module(s) {missing} that no node of the student's graph "
+                         "comes from; give module paths of the teacher (model.named_modules()) that torch.export "
+                         "kept")
+    return found
+
+
+def _tap(store: dict, key: str) -> Callable:
+    """A graph call that records a node's value in store[key] (its only side effect)."""
+
+    def tap(value):
+        store[key] = value
+
+    tap.__name__ = f"distill_tap_{key.replace('.', '_')}"
+    return tap
+
+
+@contextlib.contextmanager
+def _tapped(student: torch.fx.GraphModule, paths: Sequence[str], store: dict):
+    """The student's graph with a _tap after each module output, removed on exit."""
+    taps = []
+    for path, node in _module_outputs(student, paths).items():
+        with student.graph.inserting_after(node):
+            taps.append(student.graph.call_function(_tap(store, path), (node,)))
+    student.recompile()
+    try:
+        yield
+    finally:
+        for tap in taps:
+            student.graph.erase_node(tap)
+        student.recompile()
+
+
+@contextlib.contextmanager
+def _hooked(teacher: torch.nn.Module, paths: Sequence[str], store: dict):
+    modules = dict(teacher.named_modules())
+    missing = [p for p in paths if p not in modules]
+    if missing:
+        raise ValueError(f"distill: intermediate names module(s) {missing} that the teacher does not have")
+    handles = [modules[p].register_forward_hook(lambda m, i, o, p=p: store.__setitem__(p, o)) for p in paths]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _check_step_count(name: str, value, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"distill: {name} must be an int >= 0{' or None' if allow_none else ''}, got {value!r}")
+
+
+def _check_args(student, teacher, steps, loss, temperature, intermediate_weight, eval_every) -> None:
+    if not isinstance(student, torch.fx.GraphModule):
+        raise TypeError(f"distill: student must be the GraphModule of prepare_qat_pt2e / prepare_pt2e, got "
+                        f"{type(student).__name__}")
+    if not isinstance(teacher, torch.nn.Module) or teacher is student:
+        raise TypeError("distill: teacher must be the float model (an nn.Module other than the student), got "
+                        f"{type(teacher).__name__}")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"distill: steps must be an int >= 1, got {steps!r}")
+    if not callable(loss) and loss not in LOSSES:
+        raise ValueError(f"distill: loss must be one of {', '.join(LOSSES)} or a callable(student, teacher), "
+                         f"got {loss!r}")
+    if not isinstance(temperature, (int, float)) or not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"distill: temperature must be a finite number > 0, got {temperature!r}")
+    if not isinstance(intermediate_weight, (int, float)) or not intermediate_weight >= 0:
+        raise ValueError(f"distill: intermediate_weight must be a number >= 0, got {intermediate_weight!r}")
+    _check_step_count("eval_every", eval_every)
+    if eval_every == 0:
+        raise ValueError("distill: eval_every must be >= 1 or None, got 0")
+
+
+def trainable_parameters(student: torch.nn.Module) -> tuple[list, list]:
+    """(weights and biases, learnable qparams) of a prepared model: the
+    parameters an optimizer trains, split so that the ranges can take
+    their own learning rate.
+
+    Args:
+        student: a prepared model.
+
+    Returns:
+        Two lists of Parameters with requires_grad.
+    """
+    qparams = {id(p) for m in student.modules() if isinstance(m, FakeQuantize) for p in m.parameters()}
+    params = [p for p in student.parameters() if p.requires_grad]
+    return [p for p in params if id(p) not in qparams], [p for p in params if id(p) in qparams]
+
+
+def distill(
+    student: torch.fx.GraphModule,
+    teacher: torch.nn.Module,
+    batches: Union[Sequence, Callable[[int], Sequence]],
+    *,
+    steps: int,
+    loss: Union[str, Callable] = "mse",
+    temperature: float = 1.0,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    lr: float = 1e-5,
+    qparam_lr: Optional[float] = None,
+    cosine_schedule: bool = True,
+    intermediate: Sequence[str] = (),
+    intermediate_weight: float = 1.0,
+    freeze_batch_norms_after: Optional[int] = None,
+    freeze_observers_after: Optional[int] = None,
+    augment: Optional[Callable] = None,
+    evaluate: Optional[Callable[[torch.fx.GraphModule], float]] = None,
+    eval_every: Optional[int] = None,
+    progress: bool = True,
+    desc: str = "distill",
+) -> History:
+    """Trains `student` (a prepared, calibrated model) for `steps` steps to
+    reproduce `teacher`'s outputs on `batches` (module doc).
+
+    Args:
+        student: the GraphModule of prepare_qat_pt2e (or prepare_pt2e: its
+            fake-quant points train through their straight-through
+            estimator too), calibrated. Learnable points' observers are
+            switched off first (flow.start_learning_ranges).
+        teacher: the float model; run in eval mode without gradients, its
+            mode restored after.
+        batches: model inputs (a tensor or a tuple of tensors per batch),
+            cycled until `steps`; or a callable from the epoch number to such
+            a sequence (to reshuffle or redraw).
+        steps: optimizer steps.
+        loss: "kl", "mse", "cosine" or callable(student_output, teacher_output) -> scalar.
+        temperature: the softmax temperature of "kl".
+        optimizer: the optimizer to step; None: Adam over the weights and
+            biases at `lr` and the learnable qparams at `qparam_lr`.
+        lr: the weights' learning rate of the default optimizer.
+        qparam_lr: the learnable qparams' learning rate (None: `lr`).
+        cosine_schedule: with the default optimizer, learning rates decay to
+            0 along a half cosine over `steps`.
+        intermediate: module paths whose outputs are matched as well (mean squared error).
+        intermediate_weight: the weight of the intermediate losses.
+        freeze_batch_norms_after: freeze_batch_norms after this many steps (0: before the first).
+        freeze_observers_after: every observer off after this many steps (0: before the first).
+        augment: callable(inputs tuple) -> inputs tuple, applied to each batch.
+        evaluate: callable(a copy of the student) -> float (a held-out
+            metric), called in no_grad every `eval_every` steps and after
+            the last; it may freeze and convert the copy.
+        eval_every: see `evaluate`.
+        progress: show a tqdm bar.
+        desc: the bar's label and the loop's name in errors.
+
+    Returns:
+        The History of the run.
+
+    Raises:
+        TypeError: `student` is not a GraphModule or `teacher` not a module.
+        ValueError: a bad argument (the message names it and what is allowed).
+        TrainingDiverged: the loss or a parameter became NaN or infinite.
+    """
+    _check_args(student, teacher, steps, loss, temperature, intermediate_weight, eval_every)
+    _check_step_count("freeze_batch_norms_after", freeze_batch_norms_after)
+    _check_step_count("freeze_observers_after", freeze_observers_after)
+    intermediate = list(intermediate)
+    epoch_batches = batches(0) if callable(batches) else batches
+    if len(epoch_batches) == 0:
+        raise ValueError("distill: batches holds no batch")
+    start = time.perf_counter()
+    start_learning_ranges(student)
+    if optimizer is None:
+        weights, qparams = trainable_parameters(student)
+        groups = [{"params": weights, "lr": lr}]
+        if qparams:
+            groups.append({"params": qparams, "lr": lr if qparam_lr is None else qparam_lr})
+        optimizer = torch.optim.Adam(groups)
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps) if cosine_schedule else None
+    else:
+        schedule = None
+    output_loss = _output_loss(loss, temperature)
+    history = History()
+    teacher_was_training = teacher.training
+    teacher.eval()
+    student_store, teacher_store = {}, {}
+
+    def freeze_due(after: Optional[int], step: int) -> bool:
+        return after is not None and step == after
+
+    def run_evaluation(step: int) -> None:
+        with torch.no_grad():
+            history.evaluations.append((step, float(evaluate(copy.deepcopy(student)))))
+
+    try:
+        with _tapped(student, intermediate, student_store) if intermediate else contextlib.nullcontext(), \
+                _hooked(teacher, intermediate, teacher_store) if intermediate else contextlib.nullcontext(), \
+                tqdm(total=steps, desc=desc, disable=not progress, unit="step", mininterval=0.5) as bar:
+            epoch, position = 0, 0
+            for step in range(steps):
+                if freeze_due(freeze_batch_norms_after, step):
+                    freeze_batch_norms(student)
+                    history.batch_norms_frozen_at = step
+                if freeze_due(freeze_observers_after, step):
+                    student.apply(tao.disable_observer)  # torchao's fake-quant modules too
+                    history.observers_off_at = step
+                if position == len(epoch_batches):
+                    epoch, position = epoch + 1, 0
+                    if callable(batches):
+                        epoch_batches = batches(epoch)
+                inputs = as_args(epoch_batches[position])
+                position += 1
+                if augment is not None:
+                    inputs = as_args(augment(inputs))
+                with torch.no_grad():
+                    target = teacher(*inputs)
+                optimizer.zero_grad(set_to_none=True)
+                total = output_loss(student(*inputs), target)
+                if intermediate:
+                    matched = sum(F.mse_loss(student_store[p].float(), teacher_store[p].float())
+                                  for p in intermediate)
+                    history.intermediate_losses.append(float(matched.detach()))
+                    total = total + intermediate_weight * matched
+                total.backward()
+                optimizer.step()
+                if schedule is not None:
+                    schedule.step()
+                history.losses.append(float(total.detach()))
+                check_finite(student, desc, history.losses)
+                bar.set_postfix(loss=f"{history.losses[-1]:.4g}", refresh=False)
+                bar.update(1)
+                if evaluate is not None and eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
+                    run_evaluation(step + 1)
+            if evaluate is not None:
+                run_evaluation(steps)
+    finally:
+        teacher.train(teacher_was_training)
+    history.seconds = time.perf_counter() - start
+    return history

@@ -1,0 +1,176 @@
+"""pt2e_fq.qat.distill on tiny models: the teacher is left as it was, the
+distillation loss falls and the student's held-out outputs move toward the
+teacher's, batch norms stop updating after the set step, learnable ranges
+(presets.get_preset(..., learnable=True)) receive gradients and move, and
+bad arguments give one-line errors.
+
+References: the teacher's state_dict snapshot (bit for bit), the teacher's
+own held-out outputs, the running statistics recorded at each step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.models.mlp import ReluMLP
+from tests.models.stock_flow import batches as image_batches, build, stock_qat
+from torchao.quantization.pt2e.quantize_pt2e import prepare_qat_pt2e
+
+from pt2e_fq import qat
+from pt2e_fq.fake_quantize import FakeQuantize
+from pt2e_fq.cli import pipeline
+from quantizers import FakeQuantQuantizer, presets
+
+
+def _data(n: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(16, 64, generator=g) for _ in range(n)]
+
+
+def _student(teacher: torch.nn.Module, learnable: bool = False) -> torch.fx.GraphModule:
+    config = presets.get_preset("w4a8", qat=True, learnable=learnable)
+    gm = torch.export.export(teacher, (_data(1, 0)[0],)).module()
+    student = prepare_qat_pt2e(gm, FakeQuantQuantizer(config))
+    pipeline.calibrate(student, _data(4, 0), progress=False)
+    return student
+
+
+def _held_out_error(student, teacher) -> float:
+    with torch.no_grad():
+        return sum(float((student(x) - teacher(x)).square().mean()) for x in _data(4, 7))
+
+
+def _snapshot(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("loss", ["mse", "kl", "cosine"])
+def test_distill_fits_the_teacher_and_leaves_it_unchanged(loss):
+    torch.manual_seed(0)
+    teacher = ReluMLP()
+    before = _snapshot(teacher)
+    student = _student(teacher)
+    error_before = _held_out_error(student, teacher)
+    # A fresh draw every epoch (batches as a callable of the epoch): the student learns the function.
+    history = qat.distill(student, teacher, lambda epoch: _data(8, 100 + epoch), steps=80, loss=loss,
+                          temperature=2.0, lr=3e-4, progress=False)
+    for k, v in teacher.state_dict().items():
+        assert torch.equal(v, before[k]), f"the teacher's {k} changed"
+    assert len(history.losses) == 80
+    assert sum(history.losses[-8:]) < 0.8 * sum(history.losses[:8])
+    assert _held_out_error(student, teacher) < 0.8 * error_before
+
+
+def test_batch_norm_statistics_stop_changing_after_the_set_step():
+    student = stock_qat(build("conv_bn_cnn"))
+    teacher = build("conv_bn_cnn").eval()
+    means = []
+
+    def loss(s, t):  # called after each step's forward: the statistics that forward left
+        means.append(student.get_buffer("bn1.running_mean").clone())
+        return (s - t).square().mean()
+
+    history = qat.distill(student, teacher, image_batches(6), steps=6, loss=loss, lr=1e-2,
+                          freeze_batch_norms_after=3, progress=False)
+    assert history.batch_norms_frozen_at == 3
+    for step in (1, 2):
+        assert not torch.equal(means[step], means[step - 1]), f"statistics frozen too early, at step {step}"
+    for step in (3, 4, 5):
+        assert torch.equal(means[step], means[2]), f"statistics moved at step {step}, after the freeze"
+
+
+def test_learnable_preset_scales_receive_gradients_and_change():
+    torch.manual_seed(0)
+    teacher = ReluMLP()
+    student = _student(teacher, learnable=True)
+    points = [m for m in student.modules() if isinstance(m, FakeQuantize) and m.qspec.learnable]
+    roles = {m.qspec.format.bits for m in points}
+    assert roles == {4, 8}  # int4 weights and int8 activations
+    initial = [m.scale.detach().clone() for m in points]
+    _, qparams = qat.trainable_parameters(student)
+    assert qparams, "no learnable qparam among the optimizer's parameters"
+    qat.distill(student, teacher, _data(4, 1), steps=10, lr=1e-3, qparam_lr=1e-2, progress=False)
+    for m, scale in zip(points, initial):
+        assert m.scale.grad is not None and torch.count_nonzero(m.scale.grad) > 0
+        assert not torch.equal(m.scale.detach(), scale)
+    # The activations' asymmetric points learn their offset too (LSQ+).
+    activation = [m for m in points if m.qspec.format.bits == 8]
+    assert all(isinstance(m.zero_point, torch.nn.Parameter) and m.zero_point.grad is not None for m in activation)
+
+
+def test_intermediate_matching_and_augmentation():
+    torch.manual_seed(0)
+    teacher = ReluMLP()
+    student = _student(teacher)
+    nodes = len(student.graph.nodes)
+    seen = []
+
+    def augment(inputs):
+        seen.append(inputs[0].shape)
+        return (inputs[0] + 0.01 * torch.randn_like(inputs[0]),)
+
+    history = qat.distill(student, teacher, _data(4, 1), steps=30, lr=3e-4, intermediate=["fc1"],
+                          augment=augment, progress=False)
+    assert len(seen) == 30
+    assert len(history.intermediate_losses) == 30
+    assert sum(history.intermediate_losses[-5:]) < sum(history.intermediate_losses[:5])
+    assert len(student.graph.nodes) == nodes  # the taps are gone
+
+
+def test_learnable_presets_and_their_errors():
+    assert presets.LEARNABLE_PRESETS == ("w8a8", "w4a8", "w4a16", "w8a16")
+    config = presets.get_preset("w4a8", qat=True, learnable=True).global_config
+    assert config.weight.learnable and config.input_activation.learnable
+    with pytest.raises(ValueError, match="learnable=True: preset 'nvfp4' has float-format points") as e:
+        presets.get_preset("nvfp4", learnable=True)
+    assert "\n" not in str(e.value)
+    with pytest.raises(TypeError, match="learnable must be a bool"):
+        presets.get_preset("w4a8", learnable="yes")
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(steps=0), ValueError, "steps must be an int >= 1"),
+    (dict(loss="l1"), ValueError, "loss must be one of kl, mse, cosine"),
+    (dict(temperature=0.0), ValueError, "temperature must be a finite number > 0"),
+    (dict(freeze_batch_norms_after=-1), ValueError, "freeze_batch_norms_after must be an int >= 0"),
+    (dict(intermediate=["fc9"]), ValueError, r"intermediate names module\(s\) \['fc9'\]"),
+    (dict(eval_every=0), ValueError, "eval_every must be >= 1"),
+])
+def test_bad_arguments_give_one_line_errors(kwargs, error, match):
+    torch.manual_seed(0)
+    teacher = ReluMLP()
+    student = _student(teacher)
+    with pytest.raises(error, match=match) as e:
+        qat.distill(student, teacher, _data(2, 1), **{"steps": 2, "progress": False, **kwargs})
+    assert "\n" not in str(e.value)
+
+
+def test_a_student_that_is_not_a_graph_module_is_refused():
+    teacher = ReluMLP()
+    with pytest.raises(TypeError, match="student must be the GraphModule"):
+        qat.distill(ReluMLP(), teacher, _data(2, 1), steps=2)
+
+
+def test_a_diverging_run_stops_with_a_one_line_error():
+    torch.manual_seed(0)
+    teacher = ReluMLP()
+    student = _student(teacher)
+    with pytest.raises(qat.TrainingDiverged, match="at step") as e:
+        qat.distill(student, teacher, [x * 1e30 for x in _data(2, 1)], steps=2, lr=1e30, progress=False)
+    assert "\n" not in str(e.value)
+
+
+def test_evaluate_sees_a_copy_and_is_recorded():
+    torch.manual_seed(0)
+    teacher = ReluMLP()
+    student = _student(teacher)
+    seen = []
+
+    def evaluate(copy):
+        seen.append(copy)
+        return _held_out_error(copy, teacher)
+
+    history = qat.distill(student, teacher, _data(4, 1), steps=6, lr=3e-4, evaluate=evaluate, eval_every=3,
+                          progress=False)
+    assert [step for step, _ in history.evaluations] == [3, 6]
+    assert all(copy is not student for copy in seen)
+    assert history.evaluations[-1][1] == pytest.approx(_held_out_error(student, teacher))
