@@ -15,13 +15,17 @@ produces the input, and only where that op absorbs it exactly:
   mixes positions, never channels, so a value projection's output scale
   reaches the output projection's input as it is, head by head.
 
-Every reader of the producer's output must lead to linears' inputs that
-way (in a post-LN transformer such as BERT a LayerNorm's output also feeds
-the residual add, and GELU between two linears absorbs no scale: neither is
-equalised); all those linears (q, k and v after one LayerNorm) take the
-same scale. Which input column of each linear carries which producer
-channel is traced on a calibration batch (an index tensor run through the
-path's ops), so any head split and transpose works.
+The producer's readers lead to linears' inputs that way; all those
+linears (q, k and v after one LayerNorm) take the same scale. Which input
+column of each linear carries which producer channel is traced on a
+calibration batch (an index tensor run through the path's ops), so any
+head split and transpose works. Another reader of the producer's output
+(a post-LN transformer such as BERT adds its LayerNorm's output to the
+residual stream) gets it back times s through one inserted float mul
+(`compensate`, on by default; Outlier Suppression's gamma migration,
+Wei et al., 2022, does the same for BERT); the residual stream stays
+float in every preset. An op between producer and linear that absorbs no
+scale (GELU between two linears) ends the path: no equalisation there.
 
 The scale is chosen per producer from candidates: no scale, SmoothQuant's
 s_c = max|x_c|^a / max|W_:,c|^(1-a) and AWQ's s_c = mean|x_c|^a, each for
@@ -80,6 +84,7 @@ class _Group:
     bias_name: Optional[str]
     weight_point: Optional[torch.fx.Node]
     chain: set  # the nodes between producer and the consumers' inputs
+    compensated: list = field(default_factory=list)  # readers of the producer given its output times s back
     consumers: list = field(default_factory=list)
     samples: dict = field(default_factory=dict)  # consumer node -> list of sampled input rows
 
@@ -160,44 +165,51 @@ def _consumer(gm, linear, source) -> Optional[_Consumer]:
     return _Consumer(linear, weight[0], weight[1], source if _point(gm, source) is not None else None)
 
 
-def _follow(gm, group: _Group) -> Optional[_Group]:
-    """The producer's readers as paths to linears' inputs (module doc), or None."""
+def _step(gm, node, user):
+    """How `user` reads `node`: the consumers it gives (a linear, or the
+    linears behind an input point), True for an op that passes channels on
+    (module doc), None for anything else."""
+    if user.op == "call_module" and _point(gm, user) is not None:
+        if user.args[0] is not node or not user.users:
+            return None
+        consumers = [_consumer(gm, linear, user) for linear in user.users]
+        return None if None in consumers else consumers
+    if user.op != "call_function":
+        return None
+    if user.target in _LAYOUT_OPS or user.target in _IDENTITY_OPS:
+        others = list(user.args[1:]) + list(user.kwargs.values())
+        return True if user.args[0] is node and node not in others else None
+    if user.target in _VALUE_MIXERS:
+        at = _VALUE_MIXERS[user.target]
+        rest = [a for i, a in enumerate(user.args) if i != at] + list(user.kwargs.values())
+        ok = len(user.args) > at and user.args[at] is node and node not in rest and not user.kwargs.get("enable_gqa")
+        return True if ok else None
+    consumer = _consumer(gm, user, node)
+    return None if consumer is None else [consumer]
+
+
+def _follow(gm, group: _Group, compensate: bool) -> Optional[_Group]:
+    """The producer's readers as paths to linears' inputs (module doc); with
+    `compensate`, a direct reader of another kind is kept in
+    `group.compensated`. None where a reader fits neither."""
     frontier = [group.producer]
     while frontier:
         node = frontier.pop()
         for user in node.users:
-            if user.op == "call_module" and _point(gm, user) is not None:
-                if user.args[0] is not node or not user.users:
+            step = _step(gm, node, user)
+            if step is None:
+                if not (compensate and node is group.producer):
                     return None
-                for linear in user.users:
-                    consumer = _consumer(gm, linear, user)
-                    if consumer is None:
-                        return None
-                    group.consumers.append(consumer)
-                continue
-            if user.op != "call_function":
-                return None
-            others = list(user.args[1:]) + list(user.kwargs.values())
-            if user.target in _LAYOUT_OPS or user.target in _IDENTITY_OPS:
-                if user.args[0] is not node or node in others:
-                    return None
-            elif user.target in _VALUE_MIXERS:
-                at = _VALUE_MIXERS[user.target]
-                rest = [a for i, a in enumerate(user.args) if i != at] + list(user.kwargs.values())
-                if len(user.args) <= at or user.args[at] is not node or node in rest or user.kwargs.get("enable_gqa"):
-                    return None
+                group.compensated.append(user)
+            elif step is True:
+                group.chain.add(user)
+                frontier.append(user)
             else:
-                consumer = _consumer(gm, user, node)
-                if consumer is None:
-                    return None
-                group.consumers.append(consumer)
-                continue
-            group.chain.add(user)
-            frontier.append(user)
+                group.consumers.extend(step)
     return group if group.consumers else None
 
 
-def find_groups(gm: torch.fx.GraphModule) -> list[_Group]:
+def find_groups(gm: torch.fx.GraphModule, compensate: bool = True) -> list[_Group]:
     """The producers whose every reader leads to linears' inputs through
     channel-preserving ops, in graph order. A parameter read by more than
     one op (tied weights) is left out: scaling it would change the other.
@@ -207,7 +219,7 @@ def find_groups(gm: torch.fx.GraphModule) -> list[_Group]:
     groups = []
     for node in gm.graph.nodes:
         group = _producer(gm, node)
-        if group is None or _follow(gm, group) is None:
+        if group is None or _follow(gm, group, compensate) is None:
             continue
         groups.append(group)
     return groups
@@ -351,10 +363,20 @@ def _fold(gm, group: _Group, scale: torch.Tensor) -> None:
     for c in group.consumers:
         w = _tensor(gm, c.weight_name).detach()
         _set_attr(gm, c.weight_name, w * scale[c.columns].to(w.dtype))
+    if group.compensated:  # their input back: producer output (now y / s) times s, one float mul
+        name = f"{group.producer.name}_equalization_scale"
+        gm.register_buffer(name, scale.to(_tensor(gm, group.weight_name).dtype).clone())
+        with gm.graph.inserting_after(group.producer):
+            attr = gm.graph.get_attr(name)
+        with gm.graph.inserting_after(attr):
+            restored = gm.graph.call_function(aten.mul.Tensor, (group.producer, attr))
+        for reader in group.compensated:
+            reader.replace_input_with(group.producer, restored)
+        gm.recompile()
 
 
 def equalize(prepared: torch.fx.GraphModule, batches: Iterable, *, alphas: Iterable[float] = DEFAULT_ALPHAS,
-             max_rows: int = 4096) -> list[EqualizeResult]:
+             max_rows: int = 4096, compensate: bool = True) -> list[EqualizeResult]:
     """Equalises every producer -> linears group of `prepared` (calibrated
     or not) on `batches` (tensors or tuples of tensors, as for calibration)
     and calibrates the points whose input changed again on them; returns
@@ -367,6 +389,9 @@ def equalize(prepared: torch.fx.GraphModule, batches: Iterable, *, alphas: Itera
         batches: the calibration batches.
         alphas: the exponents of the candidate scales, each in (0, 1].
         max_rows: input rows sampled per linear for the search.
+        compensate: also equalise a producer whose output another op reads
+            directly (a post-LN transformer's residual add), giving that op
+            the output times s back through one inserted float mul.
 
     Returns:
         The EqualizeResults, in graph order.
@@ -386,7 +411,7 @@ def equalize(prepared: torch.fx.GraphModule, batches: Iterable, *, alphas: Itera
     batches = [tuple(tree_leaves(b if isinstance(b, tuple) else (b,))) for b in batches]
     if not batches:
         raise ValueError("calib.equalize: batches holds no batch")
-    groups = find_groups(prepared)
+    groups = find_groups(prepared, compensate)
     if not groups:
         return []
     observing = _observers_off(prepared)

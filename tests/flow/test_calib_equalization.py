@@ -28,7 +28,9 @@ class _Attention(nn.Module):
         self.q, self.k, self.v, self.out = (nn.Linear(d, d) for _ in range(4))
 
     def forward(self, x):
-        y = self.norm(x)
+        return self.attend(self.norm(x))
+
+    def attend(self, y):
         b, length, d = y.shape
         q, k, v = (p(y).view(b, length, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
         a = nn.functional.scaled_dot_product_attention(q, k, v)
@@ -41,7 +43,7 @@ class _PostNorm(_Attention):
 
     def forward(self, x):
         y = self.norm(x)
-        return super().forward(x) + y
+        return self.attend(y) + y
 
 
 def _attention(seed=0):
@@ -112,17 +114,24 @@ def test_equalize_moves_an_outlier_channel_into_the_weight():
     assert results[0].after_db - results[0].before_db > 8.0, results
 
 
-def test_equalize_leaves_a_norm_that_also_feeds_a_residual():
+def test_equalize_compensates_a_norm_that_also_feeds_a_residual():
     """In a post-LN block the LayerNorm's output is also added to the
-    attention's output: a scale on it would change the sum, so only the
-    value -> out projection group is equalised."""
+    attention's output: equalised, the add gets it back through one float
+    mul by s; with compensate=False only the value -> out projection group
+    is equalised. The float function stays the same either way."""
     torch.manual_seed(0)
     model, batches = _PostNorm().eval(), _batches()
+    with torch.no_grad():
+        model.norm.weight[3] = 25.0
     prepared = _prepared(model, "w8a8", batches)
-    groups = eq.find_groups(prepared)
-    assert [(g.producer.target, len(g.consumers)) for g in groups] == [(torch.ops.aten.linear.default, 1)]
+    linear = torch.ops.aten.linear.default
+    assert [(g.producer.target, len(g.consumers)) for g in eq.find_groups(prepared, compensate=False)] == [(linear, 1)]
+    assert [len(g.consumers) for g in eq.find_groups(prepared)] == [3, 1]
     before = _outputs(prepared, batches[0], fake_quant=False)
-    calib.equalize(prepared, batches)
+    results = calib.equalize(prepared, batches)
+    assert results[0].scale != "none", results
+    muls = [n for n in prepared.graph.nodes if n.target is torch.ops.aten.mul.Tensor]
+    assert len(muls) == 1 and [u.target for u in muls[0].users] == [torch.ops.aten.add.Tensor]
     torch.testing.assert_close(_outputs(prepared, batches[0], fake_quant=False), before, rtol=1e-5, atol=1e-5)
 
 
