@@ -65,7 +65,7 @@ _IDENTITY_OPS = frozenset({aten.dropout.default, aten.detach.default})
 _VALUE_MIXERS = {aten.scaled_dot_product_attention.default: 2, aten.matmul.default: 1, aten.bmm.default: 1}
 _NORMS = {aten.layer_norm.default: 3, aten.rms_norm.default: None}  # op -> bias argument index
 
-DEFAULT_ALPHAS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+DEFAULT_ALPHAS = (0.2, 0.35, 0.5, 0.65, 0.8)
 
 
 @dataclass(eq=False)
@@ -86,7 +86,7 @@ class _Group:
     chain: set  # the nodes between producer and the consumers' inputs
     compensated: list = field(default_factory=list)  # readers of the producer given its output times s back
     consumers: list = field(default_factory=list)
-    samples: dict = field(default_factory=dict)  # consumer node -> list of sampled input rows
+    samples: dict = field(default_factory=dict)  # consumer node -> its sampled input rows, per batch
 
 
 @dataclass
@@ -306,12 +306,12 @@ def _quantized(point: Optional[FakeQuantize], x: torch.Tensor) -> torch.Tensor:
     return x if point is None else _fresh(point)(x)
 
 
-def _candidates(group: _Group, weights: dict, channels: int, alphas) -> list[tuple[str, torch.Tensor]]:
+def _candidates(group: _Group, weights: dict, rows: dict, channels: int, alphas) -> list[tuple[str, torch.Tensor]]:
     act_max = torch.zeros(channels)
     act_mean = torch.zeros(channels)
     w_max = torch.zeros(channels)
     for c in group.consumers:
-        x = torch.cat(group.samples[c.node]).abs()
+        x = rows[c.node][0].abs()
         act_max.scatter_reduce_(0, c.columns, x.amax(0), "amax")
         act_mean.scatter_reduce_(0, c.columns, x.mean(0), "amax")
         w_max.scatter_reduce_(0, c.columns, weights[c.node].abs().amax(0), "amax")
@@ -330,19 +330,17 @@ def _candidates(group: _Group, weights: dict, channels: int, alphas) -> list[tup
     return out
 
 
-def _errors(gm, group: _Group, weights: dict, scale: torch.Tensor) -> tuple[float, float]:
+def _errors(gm, group: _Group, weights: dict, rows: dict, scale: torch.Tensor) -> tuple[float, float]:
     """(output power, output error power) of the group's consumers on the sampled rows."""
     signal = noise = 0.0
     quantized_inputs = {}
     for c in group.consumers:
-        x = torch.cat(group.samples[c.node])
-        w = weights[c.node]
+        x, y = rows[c.node]
         s = scale[c.columns]
         key = c.input_point if c.input_point is not None else c.node
         if key not in quantized_inputs:
             quantized_inputs[key] = _quantized(_point(gm, c.input_point), x / s)
-        wq = _quantized(_point(gm, c.weight_point), w * s)
-        y = x @ w.T
+        wq = _quantized(_point(gm, c.weight_point), weights[c.node] * s)
         signal += y.double().pow(2).sum().item()
         noise += (y - quantized_inputs[key] @ wq.T).double().pow(2).sum().item()
     return signal, noise
@@ -376,7 +374,7 @@ def _fold(gm, group: _Group, scale: torch.Tensor) -> None:
 
 
 def equalize(prepared: torch.fx.GraphModule, batches: Iterable, *, alphas: Iterable[float] = DEFAULT_ALPHAS,
-             max_rows: int = 4096, compensate: bool = True) -> list[EqualizeResult]:
+             max_rows: int = 2048, compensate: bool = True) -> list[EqualizeResult]:
     """Equalises every producer -> linears group of `prepared` (calibrated
     or not) on `batches` (tensors or tuples of tensors, as for calibration)
     and calibrates the points whose input changed again on them; returns
@@ -432,9 +430,13 @@ def equalize(prepared: torch.fx.GraphModule, batches: Iterable, *, alphas: Itera
             if group in trace.broken or any(c.columns is None for c in group.consumers):
                 continue
             weights = {c.node: _tensor(prepared, c.weight_name).detach().float() for c in group.consumers}
+            rows = {}  # consumer -> its sampled input rows and their float outputs, (x, x W^T)
+            for c in group.consumers:
+                x = torch.cat(group.samples.pop(c.node))
+                rows[c.node] = (x, x @ weights[c.node].T)
             channels = _tensor(prepared, group.weight_name).shape[0]
-            scored = [(name, s, _errors(prepared, group, weights, s))
-                      for name, s in _candidates(group, weights, channels, alphas)]
+            scored = [(name, s, _errors(prepared, group, weights, rows, s))
+                      for name, s in _candidates(group, weights, rows, channels, alphas)]
             name, scale, (signal, noise) = min(scored, key=lambda t: t[2][1])
             before = scored[0][2]
             results.append(EqualizeResult(str(group.producer.name), tuple(str(c.node.name) for c in group.consumers),
