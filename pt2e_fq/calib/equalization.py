@@ -65,7 +65,7 @@ _IDENTITY_OPS = frozenset({aten.dropout.default, aten.detach.default})
 _VALUE_MIXERS = {aten.scaled_dot_product_attention.default: 2, aten.matmul.default: 1, aten.bmm.default: 1}
 _NORMS = {aten.layer_norm.default: 3, aten.rms_norm.default: None}  # op -> bias argument index
 
-DEFAULT_ALPHAS = (0.2, 0.35, 0.5, 0.65, 0.8)
+DEFAULT_ALPHAS = (0.2, 0.35, 0.5, 0.65, 0.8, 0.95)
 
 
 @dataclass(eq=False)
@@ -84,7 +84,7 @@ class _Group:
     bias_name: Optional[str]
     weight_point: Optional[torch.fx.Node]
     chain: set  # the nodes between producer and the consumers' inputs
-    compensated: list = field(default_factory=list)  # readers of the producer given its output times s back
+    compensated: list = field(default_factory=list)  # (node, reader): reader given node's output times s back
     consumers: list = field(default_factory=list)
     samples: dict = field(default_factory=dict)  # consumer node -> its sampled input rows, per batch
 
@@ -190,20 +190,24 @@ def _step(gm, node, user):
 
 def _follow(gm, group: _Group, compensate: bool) -> Optional[_Group]:
     """The producer's readers as paths to linears' inputs (module doc); with
-    `compensate`, a direct reader of another kind is kept in
-    `group.compensated`. None where a reader fits neither."""
+    `compensate`, a reader of another kind of the producer's output (or of
+    dropout after it: BERT's embeddings) is kept in `group.compensated`.
+    None where a reader fits neither."""
     frontier = [group.producer]
+    same_layout = {group.producer}  # the producer and identity ops after it: channels last, as produced
     while frontier:
         node = frontier.pop()
         for user in node.users:
             step = _step(gm, node, user)
             if step is None:
-                if not (compensate and node is group.producer):
+                if not (compensate and node in same_layout):
                     return None
-                group.compensated.append(user)
+                group.compensated.append((node, user))
             elif step is True:
                 group.chain.add(user)
                 frontier.append(user)
+                if node in same_layout and user.target in _IDENTITY_OPS:
+                    same_layout.add(user)
             else:
                 group.consumers.extend(step)
     return group if group.consumers else None
@@ -361,15 +365,17 @@ def _fold(gm, group: _Group, scale: torch.Tensor) -> None:
     for c in group.consumers:
         w = _tensor(gm, c.weight_name).detach()
         _set_attr(gm, c.weight_name, w * scale[c.columns].to(w.dtype))
-    if group.compensated:  # their input back: producer output (now y / s) times s, one float mul
+    if group.compensated:  # their input back: the producer's output (now y / s) times s, one float mul each
         name = f"{group.producer.name}_equalization_scale"
         gm.register_buffer(name, scale.to(_tensor(gm, group.weight_name).dtype).clone())
-        with gm.graph.inserting_after(group.producer):
-            attr = gm.graph.get_attr(name)
-        with gm.graph.inserting_after(attr):
-            restored = gm.graph.call_function(aten.mul.Tensor, (group.producer, attr))
-        for reader in group.compensated:
-            reader.replace_input_with(group.producer, restored)
+        for node in dict.fromkeys(node for node, _ in group.compensated):
+            with gm.graph.inserting_after(node):
+                attr = gm.graph.get_attr(name)
+            with gm.graph.inserting_after(attr):
+                restored = gm.graph.call_function(aten.mul.Tensor, (node, attr))
+            for source, reader in group.compensated:
+                if source is node:
+                    reader.replace_input_with(node, restored)
         gm.recompile()
 
 
