@@ -67,7 +67,7 @@ def _ours(model, calibration, name: str, default: bool):
     pipeline.calibrate(prepared, calibration, progress=False)
     report = None
     if default and name in presets.PTQ_ALGORITHMS:
-        report = calib.apply(prepared, calibration)
+        report = calib.apply(prepared, calibration, equalization="equalization" in presets.PTQ_ALGORITHMS[name])
     return convert_pt2e(prepared), report
 
 

@@ -8,6 +8,12 @@ calibration and convert_pt2e:
     converted = convert_pt2e(prepared)
     print(report)                                  # per layer: output SQNR before / after
 
+With `equalization=True`, `apply` first runs calib.equalize (module
+calib.equalization): per-input-channel scales moved from a linear's input
+into its weight, folded exactly into the op before (a LayerNorm's affine, a previous linear's output channels), the
+points whose input changed calibrated again on the batches; the report's
+`equalized` lists each group with its output SQNR before / after.
+
 `apply` works on every linear and conv2d whose weight has one of our
 fake-quant points (any format and granularity: the point's own op is the
 quantize function). It collects each layer's input statistics in one pass
@@ -39,9 +45,10 @@ import torch
 from . import layers as _layers
 from . import statistics as _statistics
 from .bias_correction import bias_correction
+from .equalization import EqualizeResult, equalize
 from .gptq import gptq
 
-__all__ = ["apply", "CalibReport", "LayerResult"]
+__all__ = ["apply", "equalize", "CalibReport", "EqualizeResult", "LayerResult"]
 
 
 @dataclass
@@ -66,6 +73,7 @@ class CalibReport:
     seconds: float
     cpu_seconds: float
     layers: list = field(default_factory=list)
+    equalized: list = field(default_factory=list)  # EqualizeResults, where equalization ran
 
     def worst(self, count: int = 5) -> list:
         return sorted(self.layers, key=lambda r: r.after_db)[:count]
@@ -76,7 +84,13 @@ class CalibReport:
         rows = [(r.name, r.weight, f"{r.before_db:.1f}", f"{r.after_db:.1f}") for r in self.layers]
         head = (f"calib.apply({', '.join(self.algorithms)}): {len(self.layers)} layers, {self.seconds:.1f} s "
                 f"({self.cpu_seconds:.1f} s CPU)")
-        return head + "\n" + tabulate(rows, headers=("layer", "weight", "SQNR RTN dB", "SQNR after dB"))
+        text = head + "\n" + tabulate(rows, headers=("layer", "weight", "SQNR RTN dB", "SQNR after dB"))
+        if self.equalized:
+            groups = [(r.producer, ", ".join(r.consumers), r.scale, f"{r.before_db:.1f}", f"{r.after_db:.1f}")
+                      for r in self.equalized]
+            text += "\n" + tabulate(groups, headers=("equalized: producer", "linears", "scale", "SQNR dB",
+                                                      "SQNR after dB"))
+        return text
 
 
 def _output_sqnr(weight: torch.Tensor, error: torch.Tensor, second_moment: torch.Tensor,
@@ -91,28 +105,33 @@ def _output_sqnr(weight: torch.Tensor, error: torch.Tensor, second_moment: torch
 
 
 def apply(prepared: torch.fx.GraphModule, batches: Iterable, *, gptq_rounding: bool = True,
-          correct_bias: bool = True, block: int = 128, damp: float = 0.01) -> CalibReport:
+          correct_bias: bool = True, block: int = 128, damp: float = 0.01,
+          equalization: bool = False) -> CalibReport:
     """Runs the algorithms on `prepared` (calibrated: its weight points hold
     qparams) with `batches` (tensors or tuples of tensors, as for
     calibration); returns the per-layer report. gptq_rounding=False keeps
-    round-to-nearest weights (bias correction alone)."""
+    round-to-nearest weights (bias correction alone); equalization=True
+    runs calib.equalize first (calib.equalization) (module doc)."""
     if not isinstance(prepared, torch.fx.GraphModule):
         raise TypeError(f"calib.apply: prepared must be the GraphModule of prepare_pt2e, got "
                         f"{type(prepared).__name__}")
     start, cpu_start = time.perf_counter(), time.process_time()
+    batches = list(batches)
+    equalized = equalize(prepared, batches) if equalization else []
     found = _layers.find_layers(prepared)
     points = [m for m in prepared.modules() if hasattr(m, "enable_observer")]
     observing = {id(m): bool(getattr(m, "_observer_on", False)) for m in points}
     for m in points:
         m.enable_observer(False)
     try:
-        stats = _statistics.collect(prepared, found, list(batches))
+        stats = _statistics.collect(prepared, found, batches)
     except Exception:
         for m in points:
             m.enable_observer(observing[id(m)])
         raise
-    algorithms = tuple(name for name, on in (("gptq", gptq_rounding), ("bias_correction", correct_bias)) if on)
-    report = CalibReport(algorithms, 0.0, 0.0)
+    algorithms = tuple(name for name, on in (("equalization", equalization), ("gptq", gptq_rounding),
+                                             ("bias_correction", correct_bias)) if on)
+    report = CalibReport(algorithms, 0.0, 0.0, equalized=equalized)
     weight_points = {id(layer.point) for layer in found}
     for layer in found:
         s = stats[layer.node]

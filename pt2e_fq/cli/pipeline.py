@@ -260,7 +260,7 @@ def quantize(
     prepared = prepare(model, example, config, qat=qat_steps > 0, dynamic_batch=dynamic_batch)
     calibrate(prepared, batches, progress=progress)
     if name in presets.PTQ_ALGORITHMS:
-        calib.apply(prepared, batches)
+        calib.apply(prepared, batches, equalization="equalization" in presets.PTQ_ALGORITHMS[name])
     if qat_steps > 0:
         qat.distill(prepared, model, batches, steps=qat_steps, loss=loss, temperature=temperature, lr=lr,
                     progress=progress, desc="QAT")
