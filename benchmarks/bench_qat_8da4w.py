@@ -25,8 +25,8 @@ import copy
 
 import torch
 # bench_qat first (through bench_ops it imports pt2e_fq before torchao); benchmarks/ is on sys.path.
-from bench_qat import WARMUP, _to, cases, new_run, reason
-from bench_ops import median_ms
+from bench_qat import WARMUP, _to, cases, new_run
+from bench_ops import median_ms, reason
 from tabulate import tabulate
 from torch._dynamo.utils import counters
 
