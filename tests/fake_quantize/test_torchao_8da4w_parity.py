@@ -22,6 +22,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pt2e_fq import FakeQuantize
 from pt2e_fq.ops.blocks import block_min_max
@@ -177,3 +178,33 @@ def test_per_token_qparams_equal_executorchs_choose_qparams(x):
     off = (qparams["zero_point"].long() != zero_point) & spanned
     assert ((qparams["zero_point"].long() - zero_point)[spanned].abs() <= 1).all()
     assert near_tie[off].all()
+
+
+class _Ops(TorchDispatchMode):
+    """The ops a forward dispatches, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("preset", presets.DYNAMIC_ACTIVATION_PRESETS)
+def test_an_eager_per_token_step_is_one_fused_op_and_equals_the_exported_ops(preset):
+    point = _ours(preset)[0]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 48, generator=g) * torch.rand(2, 5, 1, generator=g) * 10
+    x[0, 0, 3], x[1, 2, 0], x[1, 3] = float("nan"), float("inf"), 0.0  # non-finite values, a token of zeros
+    with _Ops() as seen:
+        y = point(x)
+    # Besides the op, only the scratch state's allocations (an empty running range, qparams).
+    assert [n for n in seen.names if n.startswith("pt2e_fq::")] == ["pt2e_fq::fake_quantize_affine_observe"]
+    assert {n for n in seen.names if not n.startswith("pt2e_fq::")} <= {"aten::full", "aten::empty.memory_format",
+                                                                         "aten::zeros"}
+    # An exported program keeps the unfused ops (the qparams in ATen ops, then the op): the same bits.
+    program = torch.export.export(point, (x,))
+    y_exported = program.module()(x)
+    assert torch.equal(y.isnan(), y_exported.isnan()) and torch.equal(y.nan_to_num(), y_exported.nan_to_num())
