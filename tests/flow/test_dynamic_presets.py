@@ -72,3 +72,19 @@ def test_the_converted_program_has_one_op_per_point():
     program = torch.export.export(convert_pt2e(prepared), (tokens,))
     ops = [n for n in program.graph.nodes if n.op == "call_function" and getattr(n.target, "namespace", None) == "pt2e_fq"]
     assert len(ops) == points == 24
+
+
+@pytest.mark.parametrize("preset", presets.DYNAMIC_ACTIVATION_PRESETS)
+def test_the_one_call_form_adds_no_int8_edges_and_no_rounding_step(preset):
+    # On a convolutional network w4a8's one-call form keeps the classifier at int8 weights and
+    # runs GPTQ; the -dyn presets quantize as get_preset gives them, round to nearest.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 4 * 4, 64),
+                                torch.nn.ReLU(), torch.nn.Linear(64, 10)).eval()
+    batches = [(torch.randn(4, 3, 6, 6),) for _ in range(2)]
+    default = pipeline.quantize(model, batches[0], preset, calibration=batches, progress=False)
+    plain = pipeline.quantize(model, batches[0], preset, calibration=batches, progress=False, algorithms=False)
+    x = torch.randn(4, 3, 6, 6)
+    assert torch.equal(default(x), plain(x))
+    weights = [m.qspec for m in default.modules() if isinstance(m, FakeQuantize) and not m.qspec.dynamic]
+    assert [w.quant_range for w in weights] == [presets.get_preset(preset).global_config.weight.quant_range] * 2
