@@ -395,14 +395,17 @@ class FakeQuantize(FakeQuantizeBase):
     def _fuses_current(self, x: torch.Tensor) -> bool:
         """Whether a dynamic point's step runs as one fused op
         (`_fake_quantize_current`): an integer format with the default
-        observer, in eager mode. torch.export and torch.compile keep the
-        unfused ops, the fused op's reference: an exported program computes
-        the qparams in ATen ops that a lowering reads (to_qdq), and
-        Inductor fuses them."""
+        observer, in an eager step with gradients on (training, where the
+        step's cost counts). Everywhere else the unfused ops, the fused
+        op's reference, with the same bits: an exported program computes
+        the qparams in ATen ops that a lowering reads (to_qdq), Inductor
+        fuses them, and the report (under no_grad) reads the static op's
+        call."""
         return (
             isinstance(self.qspec.format, IntFormat)
             and type(self._observer) is CurrentMinMaxObserver
             and x.numel() > 0
+            and torch.is_grad_enabled()
             and not (torch.compiler.is_compiling() or torch.compiler.is_exporting())
         )
 

@@ -204,6 +204,11 @@ def test_an_eager_per_token_step_is_one_fused_op_and_equals_the_exported_ops(pre
     assert [n for n in seen.names if n.startswith("pt2e_fq::")] == ["pt2e_fq::fake_quantize_affine_observe"]
     assert {n for n in seen.names if not n.startswith("pt2e_fq::")} <= {"aten::full", "aten::empty.memory_format",
                                                                          "aten::zeros"}
+    # Without gradients (inference, the report) the unfused ops: the qparams in ATen ops, the static op.
+    with torch.no_grad(), _Ops() as seen:
+        y_no_grad = point(x)
+    assert [n for n in seen.names if n.startswith("pt2e_fq::")] == ["pt2e_fq::fake_quantize_affine"]
+    assert torch.equal(y.isnan(), y_no_grad.isnan()) and torch.equal(y.nan_to_num(), y_no_grad.nan_to_num())
     # An exported program keeps the unfused ops (the qparams in ATen ops, then the op): the same bits.
     program = torch.export.export(point, (x,))
     y_exported = program.module()(x)
