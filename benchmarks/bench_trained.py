@@ -82,7 +82,7 @@ def run(name: str, preset_names, quick: bool, layers: int, stock_bits=stock_flow
     def add(flow, preset, converted, report=None):
         values = metrics(reference, tm.outputs(converted, held_out))
         time_text = "-" if report is None else f"{report.seconds:.0f} ({report.cpu_seconds:.0f} CPU)"
-        rows.append((flow, preset, str(tm.coverage(converted)),
+        rows.append((flow, preset, str(stock_flows.coverage(converted)),
                      *(tm.format_estimate(values[k], DIGITS[k]) for k in keys), time_text))
         print(f"  {flow} {preset}: {rows[-1][3]}", flush=True)
 
