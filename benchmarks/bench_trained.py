@@ -72,6 +72,9 @@ def _ours(model, calibration, name: str, default: bool):
 
 
 DIGITS = {"top1": 1, "top5": 1, "kl": 3, "sqnr": 1, "cosine": 4, "nn": 1, "spearman": 4}
+# Column headers, as docs/quantizers.md's tables have them (the table prints as Markdown to paste there).
+HEADERS = {"top1": "top-1 %", "top5": "top-5 %", "kl": "KL", "sqnr": "SQNR dB", "cosine": "cosine",
+           "nn": "NN agreement %", "spearman": "Spearman"}
 
 
 def run(name: str, preset_names, quick: bool, layers: int, stock_bits=stock_flows.STOCK_WEIGHT_BITS) -> None:
@@ -98,14 +101,14 @@ def run(name: str, preset_names, quick: bool, layers: int, stock_bits=stock_flow
             converted = stock_flows.stock_quantize(model, calibration[0], calibration, stock, bits)
             add(stock, f"w{bits}a8", converted)
     n = sum(len(b[0]) if isinstance(b, tuple) else len(b) for b in held_out)
-    headers = ("flow", "preset", "coverage", *keys, "calib.apply s")
+    headers = ("flow", "preset", "coverage", *(HEADERS[k] for k in keys), "calib.apply s")
     print(f"\n{name}: {n} held-out samples, torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
-    print(tabulate(rows, headers=headers))
+    print(tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
     for preset, report in worst:
         print(f"\n{name} {preset}: the {layers} layers of lowest output SQNR after the algorithms "
               "(calibration inputs, dB)")
         print(tabulate([(r.name, f"{r.before_db:.1f}", f"{r.after_db:.1f}") for r in report.worst(layers)],
-                       headers=("layer", "RTN", "after")))
+                       headers=("layer", "RTN", "after"), tablefmt="github", disable_numparse=True))
 
 
 def main(argv=None) -> None:
