@@ -87,7 +87,7 @@ def run(name: str, preset_names, quick: bool, layers: int, stock_bits=stock_flow
         time_text = "-" if report is None else f"{report.seconds:.0f} ({report.cpu_seconds:.0f} CPU)"
         rows.append((flow, preset, str(stock_flows.coverage(converted)),
                      *(tm.format_estimate(values[k], DIGITS[k]) for k in keys), time_text))
-        print(f"  {flow} {preset}: {rows[-1][3]}", flush=True)
+        print("| " + " | ".join(rows[-1]) + " |", flush=True)  # as the table prints it, should the run stop
 
     for preset in preset_names:
         add("ours RTN", preset, _ours(model, calibration, preset, default=False)[0])
