@@ -14,6 +14,7 @@ from torch import nn
 
 from benchmarks.stock_flows import (
     STOCK_QUANTIZERS,
+    Coverage,
     coverage,
     float_op_types,
     on_stock_coverage,
@@ -130,3 +131,11 @@ def test_coverage_counts_addmm_embedding_and_products_of_activations():
     ours = coverage(pipeline.quantize(model, ids, on_stock_coverage("w8a8", float_op_types(x86)), progress=False,
                                       algorithms=False))
     assert str(ours) == "W 0/2, A 2/3"
+
+
+def test_covers_compares_the_quantized_counts():
+    weight_only, stock = Coverage(2, 2, 0, 2), Coverage(2, 2, 2, 2)
+    assert weight_only.covers(stock, activations=False) and not weight_only.covers(stock)
+    assert stock.covers(weight_only) and not Coverage(1, 2, 2, 2).covers(stock)
+    # Another flow's graph with one lookup fewer: the counts decide.
+    assert Coverage(14, 17, 14, 14).covers(Coverage(14, 16, 14, 14))
