@@ -278,11 +278,13 @@ def test_integer_presets_match_the_better_stock_quantizer(suite, name, preset):
     of the paired per-batch difference (stock_flows.sqnr_gap: equally good
     quantizers differ by a few tenths of a dB in which values flip), on the
     stock quantizer's coverage (X86InductorQuantizer leaves GPT-2's addmm
-    projections float: ours is compared with them float too; the table in
-    docs/benchmarks.md shows both). Coverage is counted from both converted
-    graphs (stock_flows.coverage): ours must quantize at least the weights
-    the stock flow does, and at least its activation inputs where the preset
-    quantizes activations, so that no flow passes by leaving layers float."""
+    projections float and quantizes its LM head alone: ours is compared
+    with the projections float too, a comparison of that one layer;
+    docs/benchmarks.md has every flow's counts). Coverage is counted from
+    both converted graphs (stock_flows.coverage): ours must quantize at
+    least as many weights as the stock flow, and as many activation inputs
+    where the preset quantizes activations, so that no flow passes by
+    leaving layers float."""
     found = suite.stock(name, stock_weight_bits(presets.get_preset(preset)))
     stock = {q: s for q, s in found.items() if isinstance(s, Stock)}
     if not stock:
