@@ -12,11 +12,13 @@ configs, same weights, same calibration batches; for a 4-bit preset the
 same configs with int4 per-channel weights; benchmarks/stock_flows.py);
 `vs stock` gives an integer preset's SQNR gap to the better stock quantizer
 of its weight width with its standard error over the held-out batches
-(accuracy.sqnr_gap), on that quantizer's coverage (X86InductorQuantizer
+(stock_flows.sqnr_gap), on that quantizer's coverage (X86InductorQuantizer
 leaves GPT-2's addmm projections float: ours is measured with them float
-too, as the model suite does), "below" past two standard errors, and marks
-an fp8 preset below w8a8 (the goal: fp8 at least as good as w8a8). Then the seconds of each stage:
-torch.export, prepare_pt2e, calibration, pipeline.convert, torchao's
+too, as the model suite does), "below" past two standard errors, with
+`compared coverage` beside it (how many weights and activation inputs each
+side quantizes, counted from its converted graph: stock_flows.coverage),
+and marks an fp8 preset below w8a8 (the goal: fp8 at least as good as
+w8a8). Then the seconds of each stage: torch.export, prepare_pt2e, calibration, pipeline.convert, torchao's
 convert_pt2e on a copy of the same prepared model (what pipeline.convert
 replaces), pt2e_fq.save, to_onnx and check_onnx (E2M1 formats have no ONNX
 Runtime CPU kernel: to_onnx refuses them).
@@ -60,7 +62,7 @@ import pt2e_fq
 import zoo
 from stock_flows import (
     STOCK_QUANTIZERS,
-    float_op_types,
+    coverage,
     on_stock_coverage,
     outputs,
     sqnr_db,
@@ -113,7 +115,7 @@ def ptq_row(entry: zoo.ZooEntry, preset: str, reference: torch.Tensor, folder: s
     stages.run("save", lambda: pt2e_fq.save(converted, entry.example, path + ".pt2"))
     if onnx and stages.run("to_onnx", lambda: to_onnx(converted, entry.example, path + ".onnx")) is not None:
         stages.run("check_onnx", lambda: check_onnx(path + ".onnx", converted, entry.example))
-    return {"sqnr": sqnr_db(reference, ours), "outputs": ours, **stages.cells}
+    return {"sqnr": sqnr_db(reference, ours), "outputs": ours, "coverage": coverage(converted), **stages.cells}
 
 
 def qat_row(entry: zoo.ZooEntry, qat_steps: int, timing_steps: int, repeats: int, folder: str) -> list:
@@ -162,25 +164,30 @@ def _stock_bits(preset: str) -> int:
 def _marks(rows: list, stock: dict, entry: zoo.ZooEntry, reference: torch.Tensor) -> None:
     """The `vs stock` column: an integer preset's SQNR gap to the better stock
     quantizer of its weight width with its standard error
-    (accuracy.sqnr_gap), flagged "below" past two standard errors, on that
+    (stock_flows.sqnr_gap), flagged "below" past two standard errors, on that
     quantizer's coverage (where it leaves op types with weights float, ours
     is run again with them float too, as the model suite does: "on X86
-    coverage"); fp8 below w8a8."""
+    coverage"), and the `compared coverage` column: what each side of that
+    comparison quantizes, counted from its converted graph; fp8 below
+    w8a8."""
     by_preset = {r["preset"]: r for r in rows}
     for r in rows:
         bits = _stock_bits(r["preset"])
         ran = [q for q in STOCK_QUANTIZERS if (q, bits) in stock]
         best = max(ran, key=lambda q: sqnr_db(reference, stock[q, bits][0]), default=None)
         if r["preset"] in INTEGER_PRESETS and best is not None:
-            theirs, float_types = stock[best, bits]
-            ours, where = r["outputs"], ""
+            theirs, their_coverage = stock[best, bits]
+            ours, our_coverage, where = r["outputs"], r["coverage"], ""
+            float_types = their_coverage.float_op_types()
             if float_types:
                 config = on_stock_coverage(r["preset"], float_types)
-                ours = outputs(pipeline.quantize(entry.model, entry.example, config, calibration=entry.calibration,
-                                                 progress=False), entry.held_out)
+                converted = pipeline.quantize(entry.model, entry.example, config, calibration=entry.calibration,
+                                              progress=False)
+                ours, our_coverage = outputs(converted, entry.held_out), coverage(converted)
                 where = f" on {_SHORT[best]} coverage"
             gap, error = sqnr_gap(reference, ours, theirs, len(entry.held_out))
             r["mark"] = f"{gap:+.1f} ± {error:.1f}" + (" below" if gap < -2 * error else "") + where
+            r["compared"] = f"ours {our_coverage}; {_SHORT[best]} {their_coverage}"
         elif r["preset"] == "fp8" and "w8a8" in by_preset and r["sqnr"] < by_preset["w8a8"]["sqnr"]:
             r["mark"] = f"below w8a8 by {by_preset['w8a8']['sqnr'] - r['sqnr']:.1f} dB"
 
@@ -228,7 +235,7 @@ def main() -> None:
                 bar.set_postfix_str(f"{name} {q} int{bits}")
                 try:
                     converted = stock_quantize(entry.model, entry.example, entry.calibration, q, bits)
-                    stock[q, bits] = outputs(converted, entry.held_out), float_op_types(converted)
+                    stock[q, bits] = outputs(converted, entry.held_out), coverage(converted)
                 except Exception as e:  # noqa: BLE001  (a stock flow that fails on a model is reported)
                     tqdm.write(f"{name}: {q} int{bits} {_failed(e)}")
                 bar.update(1)
@@ -243,7 +250,7 @@ def main() -> None:
                 ptq_rows.append([name, r["preset"], f"{r['sqnr']:.1f}",
                                  *(f"{sqnr_db(reference, stock[q, bits][0]):.1f}" if (q, bits) in stock else "failed"
                                    for bits in [_stock_bits(r["preset"])] for q in STOCK_QUANTIZERS),
-                                 r.get("mark", ""), *(r.get(s, "") for s in STAGES)])
+                                 r.get("mark", ""), r.get("compared", ""), *(r.get(s, "") for s in STAGES)])
                 tqdm.write(" | ".join(ptq_rows[-1]))
         bar.close()
         qat_models = (args.qat_models or args.models) if "qat" in args.tables else ()
@@ -255,8 +262,10 @@ def main() -> None:
         print(f"PTQ: SQNR (dB) of the converted model's outputs against float on {zoo.HELD_OUT_BATCHES} held-out "
               f"batches; {zoo.CALIBRATION_BATCHES} calibration batches; stage times in seconds")
         print("XNNPACK, X86: the stock flow at the preset's weight width (int4 for a 4-bit preset, int8 otherwise)")
+        print("compared coverage: weights (W) and activation inputs (A) of conv, linear, addmm, matmul, einsum and "
+              "embedding that each side of `vs stock` quantizes, of the graph's totals")
         print(tabulate(ptq_rows, headers=["model", "preset", "SQNR", *(_SHORT[q] for q in STOCK_QUANTIZERS), "vs stock",
-                                          *[f"{s} s" for s in STAGES]], disable_numparse=True))
+                                          "compared coverage", *[f"{s} s" for s in STAGES]], disable_numparse=True))
     if not qat_rows:
         return
     print(f"\nQAT w8a8: step time median of {5 if args.quick else 10} interleaved steps; inference median of "

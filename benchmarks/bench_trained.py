@@ -72,6 +72,9 @@ def _ours(model, calibration, name: str, default: bool):
 
 
 DIGITS = {"top1": 1, "top5": 1, "kl": 3, "sqnr": 1, "cosine": 4, "nn": 1, "spearman": 4}
+# Column headers, as docs/quantizers.md's tables have them (the table prints as Markdown to paste there).
+HEADERS = {"top1": "top-1 %", "top5": "top-5 %", "kl": "KL", "sqnr": "SQNR dB", "cosine": "cosine",
+           "nn": "NN agreement %", "spearman": "Spearman"}
 
 
 def run(name: str, preset_names, quick: bool, layers: int, stock_bits=stock_flows.STOCK_WEIGHT_BITS) -> None:
@@ -82,9 +85,9 @@ def run(name: str, preset_names, quick: bool, layers: int, stock_bits=stock_flow
     def add(flow, preset, converted, report=None):
         values = metrics(reference, tm.outputs(converted, held_out))
         time_text = "-" if report is None else f"{report.seconds:.0f} ({report.cpu_seconds:.0f} CPU)"
-        rows.append((flow, preset, str(tm.coverage(converted)),
+        rows.append((flow, preset, str(stock_flows.coverage(converted)),
                      *(tm.format_estimate(values[k], DIGITS[k]) for k in keys), time_text))
-        print(f"  {flow} {preset}: {rows[-1][3]}", flush=True)
+        print("| " + " | ".join(rows[-1]) + " |", flush=True)  # as the table prints it, should the run stop
 
     for preset in preset_names:
         add("ours RTN", preset, _ours(model, calibration, preset, default=False)[0])
@@ -98,14 +101,14 @@ def run(name: str, preset_names, quick: bool, layers: int, stock_bits=stock_flow
             converted = stock_flows.stock_quantize(model, calibration[0], calibration, stock, bits)
             add(stock, f"w{bits}a8", converted)
     n = sum(len(b[0]) if isinstance(b, tuple) else len(b) for b in held_out)
-    headers = ("flow", "preset", "coverage", *keys, "calib.apply s")
+    headers = ("flow", "preset", "coverage", *(HEADERS[k] for k in keys), "calib.apply s")
     print(f"\n{name}: {n} held-out samples, torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
-    print(tabulate(rows, headers=headers))
+    print(tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
     for preset, report in worst:
         print(f"\n{name} {preset}: the {layers} layers of lowest output SQNR after the algorithms "
               "(calibration inputs, dB)")
         print(tabulate([(r.name, f"{r.before_db:.1f}", f"{r.after_db:.1f}") for r in report.worst(layers)],
-                       headers=("layer", "RTN", "after")))
+                       headers=("layer", "RTN", "after"), tablefmt="github", disable_numparse=True))
 
 
 def main(argv=None) -> None:

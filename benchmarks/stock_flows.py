@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Optional
 
 import torch
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
@@ -42,12 +43,12 @@ from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 from quantizers import QuantizerConfig, presets
 
 from pt2e_fq.spec.formats import IntFormat
-from pt2e_fq.graph import as_args
+from pt2e_fq.graph import as_args, is_fake_quant_node
 from pt2e_fq.report import sqnr_db
 from pt2e_fq.cli import pipeline
 
-__all__ = ["STOCK_QUANTIZERS", "STOCK_WEIGHT_BITS", "float_op_types", "on_stock_coverage", "outputs", "sqnr_db",
-           "sqnr_gap", "stock_quantizer", "stock_quantize", "stock_weight_bits"]
+__all__ = ["STOCK_QUANTIZERS", "STOCK_WEIGHT_BITS", "Coverage", "coverage", "float_op_types", "on_stock_coverage",
+           "outputs", "sqnr_db", "sqnr_gap", "stock_quantizer", "stock_quantize", "stock_weight_bits"]
 
 STOCK_QUANTIZERS = ("XNNPACKQuantizer", "X86InductorQuantizer")
 # Weight widths the stock flows are run at: each weight range, in the int8 dtype.
@@ -129,13 +130,118 @@ def sqnr_gap(reference: torch.Tensor, ours: torch.Tensor, theirs: torch.Tensor, 
     return gap, float(d.std() / math.sqrt(batches))
 
 
-# Op types our presets quantize whose weights a stock quantizer may leave
-# float (X86InductorQuantizer annotates linear, not the addmm of
-# transformers' Conv1D: GPT-2's 8 projections; neither stock quantizer
-# quantizes an embedding table, which the weight-only presets do for
-# memory), by the aten op they export to.
-_WEIGHTED_OP_TYPES = {"addmm": torch.ops.aten.addmm.default, "einsum": torch.ops.aten.einsum.default,
-                      "embedding": torch.ops.aten.embedding.default}
+# -- coverage: what a converted graph quantizes ---------------------------------
+
+_aten = torch.ops.aten
+# The ops our presets quantize that carry a weight or multiply two
+# activations, by op type name (quantizers.patterns.OP_TYPES), and the
+# positions of their tensor inputs (einsum: every operand). Embedding
+# counts its table; its indices are no quantization point.
+_COUNTED = {
+    "conv1d": ((_aten.conv1d.default, _aten.conv1d.padding), (0, 1)),
+    "conv2d": ((_aten.conv2d.default, _aten.conv2d.padding), (0, 1)),
+    "conv3d": ((_aten.conv3d.default, _aten.conv3d.padding), (0, 1)),
+    "conv_transpose1d": ((_aten.conv_transpose1d.default,), (0, 1)),
+    "conv_transpose2d": ((_aten.conv_transpose2d.input,), (0, 1)),
+    "linear": ((_aten.linear.default,), (0, 1)),
+    "addmm": ((_aten.addmm.default,), (1, 2)),
+    "matmul": ((_aten.matmul.default,), (0, 1)),
+    "bmm": ((_aten.bmm.default,), (0, 1)),
+    "mm": ((_aten.mm.default,), (0, 1)),
+    "einsum": ((_aten.einsum.default,), None),
+    "embedding": ((_aten.embedding.default,), (0,)),
+}
+_OP_TYPE = {target: (name, positions) for name, (targets, positions) in _COUNTED.items() for target in targets}
+_VIEWS = {_aten.view.default, _aten.reshape.default, _aten.permute.default, _aten.transpose.int, _aten.t.default,
+          _aten.unsqueeze.default, _aten.squeeze.dim, _aten.expand.default, _aten.contiguous.default}
+
+
+def _quantizer_of(gm: torch.fx.GraphModule, node) -> Optional[torch.fx.Node]:
+    """The quantization `node` comes from through views: our fake-quant
+    module or op, or a stock dequantize; None if it is float."""
+    from torchao.quantization.pt2e import FakeQuantizeBase
+
+    while isinstance(node, torch.fx.Node):
+        if node.op == "call_module":
+            return node if isinstance(gm.get_submodule(node.target), FakeQuantizeBase) else None
+        if node.op != "call_function":
+            return None
+        if is_fake_quant_node(node) or "dequantize" in str(node.target):
+            return node
+        if node.target not in _VIEWS:
+            return None
+        node = node.args[0]
+    return None
+
+
+def _is_weight(node) -> bool:
+    """`node` reads a parameter or constant (a get_attr), through views and
+    quantization (a fake-quant module or op, a stock quantize or
+    dequantize: each takes its input first)."""
+    while isinstance(node, torch.fx.Node) and node.args and (
+            node.op == "call_module" or (node.op == "call_function" and (
+                node.target in _VIEWS or is_fake_quant_node(node) or "quantize" in str(node.target)))):
+        node = node.args[0]
+    return isinstance(node, torch.fx.Node) and node.op == "get_attr"
+
+
+@dataclasses.dataclass
+class Coverage:
+    """Of the weight inputs and the activation inputs of the ops in
+    _COUNTED, how many a converted graph quantizes; `weights_by_op`: per op
+    type, [quantized, total] of its weights."""
+
+    weights: int = 0
+    weight_total: int = 0
+    activations: int = 0
+    activation_total: int = 0
+    weights_by_op: dict = dataclasses.field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return f"W {self.weights}/{self.weight_total}, A {self.activations}/{self.activation_total}"
+
+    def float_op_types(self) -> list[str]:
+        """The op types whose every weight the graph leaves float."""
+        return [op_type for op_type, (quantized, _) in self.weights_by_op.items() if not quantized]
+
+    def covers(self, other: "Coverage", activations: bool = True) -> bool:
+        """Quantizes at least as many weights (and with `activations`,
+        activation inputs) as `other`. (The totals of two flows' graphs of
+        one model may differ: XNNPACKQuantizer's converted BERT has one
+        embedding lookup fewer.)"""
+        return self.weights >= other.weights and (not activations or self.activations >= other.activations)
+
+
+def coverage(gm: torch.fx.GraphModule) -> Coverage:
+    """What a converted graph (ours, or a stock flow's) quantizes, counted
+    from its nodes: every tensor input of the ops in _COUNTED is a weight
+    (it reads a get_attr) or an activation, quantized if it comes from a
+    quantization (our fake-quant point, or a stock dequantize, through
+    views)."""
+    c = Coverage()
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target not in _OP_TYPE:
+            continue
+        op_type, positions = _OP_TYPE[n.target]
+        for inp in list(n.args[1]) if positions is None else [n.args[i] for i in positions]:
+            quantized = _quantizer_of(gm, inp) is not None
+            if _is_weight(inp):
+                c.weights += quantized
+                c.weight_total += 1
+                counts = c.weights_by_op.setdefault(op_type, [0, 0])
+                counts[0] += quantized
+                counts[1] += 1
+            else:
+                c.activations += quantized
+                c.activation_total += 1
+    return c
+
+
+def float_op_types(stock: torch.fx.GraphModule) -> list[str]:
+    """The op types whose every weight the converted model `stock` leaves
+    float (`coverage`): those ours leaves float too when it is compared with
+    that flow (on_stock_coverage)."""
+    return coverage(stock).float_op_types()
 
 
 def on_stock_coverage(preset: str, float_op_types) -> QuantizerConfig:
@@ -146,15 +252,3 @@ def on_stock_coverage(preset: str, float_op_types) -> QuantizerConfig:
     for op_type in float_op_types:
         config.set_operator_type(op_type, None)
     return config
-
-
-def float_op_types(stock: torch.fx.GraphModule) -> list[str]:
-    """The op types of _WEIGHTED_OP_TYPES that the converted stock model has
-    but quantizes none of (no dequantize among any such node's inputs)."""
-    found = {}
-    for node in stock.graph.nodes:
-        for op_type, target in _WEIGHTED_OP_TYPES.items():
-            if node.op == "call_function" and node.target == target:
-                dq = any("dequantize" in str(getattr(a, "target", "")) for a in node.all_input_nodes)
-                found[op_type] = found.get(op_type, False) or dq
-    return [op_type for op_type, quantized in found.items() if not quantized]

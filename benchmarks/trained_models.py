@@ -1,7 +1,7 @@
 """The trained-model suite: two trained checkpoints that ship inside pip
 packages (nothing is downloaded at run time), evaluation data made from
 what ships locally, the metrics against the float model with standard
-errors, and the coverage of a converted graph.
+errors.
 
     model = efficientnet_lite0()                      # ImageNet classifier
     calibration, held_out = image_data()              # lists of (N, 3, 224, 224) batches
@@ -346,63 +346,6 @@ def embedding_metrics(reference: torch.Tensor, embeddings: torch.Tensor) -> dict
         "spearman": _jackknife(spearman, n),
         "sqnr": sqnr(reference, embeddings),
     }
-
-
-# -- coverage ----------------------------------------------------------------
-
-_aten = torch.ops.aten
-_WEIGHTED = {_aten.conv1d.default, _aten.conv2d.default, _aten.linear.default}
-_TWO_ACTIVATIONS = {_aten.matmul.default, _aten.bmm.default}
-_VIEWS = {_aten.view.default, _aten.reshape.default, _aten.permute.default, _aten.transpose.int, _aten.t.default,
-          _aten.unsqueeze.default, _aten.squeeze.dim, _aten.expand.default, _aten.contiguous.default}
-
-
-def _is_quantization(gm: torch.fx.GraphModule, node) -> bool:
-    """A fake-quant module of ours, one of our ops, or a stock dequantize."""
-    from torchao.quantization.pt2e import FakeQuantizeBase
-
-    from pt2e_fq.graph import is_fake_quant_node
-
-    if not isinstance(node, torch.fx.Node):
-        return False
-    if node.op == "call_module":
-        return isinstance(gm.get_submodule(node.target), FakeQuantizeBase)
-    if node.op != "call_function":
-        return False
-    if is_fake_quant_node(node) or "dequantize" in str(node.target):
-        return True
-    return node.target in _VIEWS and _is_quantization(gm, node.args[0])
-
-
-@dataclass
-class Coverage:
-    weights: int
-    weight_total: int
-    activations: int
-    activation_total: int
-
-    def __str__(self) -> str:
-        return f"W {self.weights}/{self.weight_total}, A {self.activations}/{self.activation_total}"
-
-
-def coverage(gm: torch.fx.GraphModule) -> Coverage:
-    """What a converted graph quantizes, counted from its nodes: of the
-    weight inputs of conv and linear, and of their activation inputs plus
-    both inputs of matmul / bmm, how many come from a quantization (our
-    fake-quant point, or a stock dequantize, through views)."""
-    w = wt = a = at = 0
-    for n in gm.graph.nodes:
-        if n.op != "call_function":
-            continue
-        if n.target in _WEIGHTED:
-            wt += 1
-            at += 1
-            w += _is_quantization(gm, n.args[1])
-            a += _is_quantization(gm, n.args[0])
-        elif n.target in _TWO_ACTIVATIONS:
-            at += 2
-            a += _is_quantization(gm, n.args[0]) + _is_quantization(gm, n.args[1])
-    return Coverage(w, wt, a, at)
 
 
 def format_estimate(e: Optional[Estimate], digits: int) -> str:

@@ -121,7 +121,8 @@ class MinMaxObserver(RangeObserver):
 @dataclass(frozen=True)
 class MovingAverageMinMaxObserver(RangeObserver):
     """An exponential moving average of each batch's min and max (QAT):
-    running += averaging_constant * (batch - running); the first batch with a
+    running += averaging_constant * (batch - running) (in an order that
+    cannot overflow where batch - running would); the first batch with a
     finite value in a block sets that block, and a batch with none in a block
     leaves it (averaging with its empty range's infinities would make it
     Inf or NaN for good).
@@ -144,7 +145,12 @@ class MovingAverageMinMaxObserver(RangeObserver):
         seen, fresh = ~is_empty(lo, hi), is_empty(*running)
 
         def update(old, new):
-            return torch.where(seen, torch.where(fresh, new, old + c * (new - old)), old)
+            # new - old overflows fp32 only where the two have opposite signs
+            # near its limit: then (old - c * old) + c * new, which cannot
+            # (csrc/include/pt2e_fq/observe.h moving_average, the fused ops' rounding).
+            d = new - old
+            average = torch.where(d.abs() <= torch.finfo(d.dtype).max, old + c * d, (old - c * old) + c * new)
+            return torch.where(seen, torch.where(fresh, new, average), old)
 
         return update(running[0], lo), update(running[1], hi)
 

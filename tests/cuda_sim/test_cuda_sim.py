@@ -416,6 +416,32 @@ def test_observe_kernels_equal_the_observers_and_cuda_qparams(driver, tmp_path, 
     assert torch.equal(case.mask(), mask_ref), "packed mask differs"
 
 
+@pytest.mark.parametrize("averaging", [0.01, 1.0])
+def test_the_moving_average_kernel_between_opposite_fp32_extremes_stays_finite(driver, tmp_path, averaging):
+    """A running range near -fp32 max and a batch near +fp32 max: batch -
+    running overflows fp32 (observe.h moving_average). The kernel's range
+    equals the observer's, finite, and so do the qparams."""
+    x = torch.tensor([[3.06e38, 1.0e38]])
+    lo, hi = torch.tensor([[-3.06e38]]), torch.tensor([[-3.0e38]])
+    qmin, qmax = -2, 1
+    limit = int_range_limit(torch.float32, qmin, qmax)
+    case = Case(tmp_path, "observe", "observe", x, "aligned", block="1,2", moving=1, c=averaging, kind="affine",
+                scheme=SCHEMES["asymmetric"], qmin=qmin, qmax=qmax, range_limit=repr(limit))
+    case.put("min_val.bin", lo)
+    case.put("max_val.bin", hi)
+    case.put("nonfinite.bin", torch.tensor([0], dtype=torch.int64))
+    case.put("offset.bin", torch.zeros(lo.shape, dtype=torch.int32))
+    simulate(driver, case)
+    lo_ref, hi_ref = observers.MovingAverageMinMaxObserver(averaging).update((lo, hi), block_min_max(x, [1, 2]))
+    assert torch.isfinite(lo_ref).all() and torch.isfinite(hi_ref).all()
+    assert_bits_equal(case.output("min_val_out.bin", torch.float32, lo.shape), lo_ref)
+    assert_bits_equal(case.output("max_val_out.bin", torch.float32, hi.shape), hi_ref)
+    scale_ref, zp_ref = _cuda_affine_qparams(lo_ref, hi_ref, "asymmetric", qmin, qmax, limit)
+    assert torch.isfinite(scale_ref).all()
+    assert_bits_equal(case.output("scale_out.bin", torch.float32, lo.shape), scale_ref)
+    assert_bits_equal(case.output("offset_out.bin", torch.int32, lo.shape), zp_ref)
+
+
 @pytest.mark.parametrize(
     "variant,fmt,dtype,placement", param_grid(FLOAT_VARIANTS, ELEM_DTYPES, FLOAT_DTYPES, PLACEMENTS)
 )

@@ -1,6 +1,7 @@
-"""benchmarks/stock_flows.py, the model suite's yardsticks: the stock flows at
-4-bit weights (what a 4-bit preset is measured against) and sqnr_gap's
-standard error, against values counted or computed by hand."""
+"""benchmarks/stock_flows.py, the model suites' yardsticks: the stock flows at
+4-bit weights (what a 4-bit preset is measured against), sqnr_gap's
+standard error, and the coverage of a converted graph, against values
+counted or computed by hand."""
 
 from __future__ import annotations
 
@@ -9,7 +10,19 @@ import math
 import pytest
 import torch
 
-from benchmarks.stock_flows import STOCK_QUANTIZERS, sqnr_gap, stock_quantize, stock_weight_bits
+from torch import nn
+
+from benchmarks.stock_flows import (
+    STOCK_QUANTIZERS,
+    Coverage,
+    coverage,
+    float_op_types,
+    on_stock_coverage,
+    sqnr_gap,
+    stock_quantize,
+    stock_weight_bits,
+)
+from pt2e_fq.cli import pipeline
 from quantizers import presets
 from tests.models.mlp import ReluMLP
 
@@ -66,3 +79,63 @@ def test_sqnr_gap_and_its_standard_error_by_hand():
     assert error == pytest.approx(sd / math.sqrt(2), abs=1e-4)
     with pytest.raises(ValueError, match="2 batches or more, got 1"):
         sqnr_gap(reference, ours, theirs, 1)
+
+
+class _ConvLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x)).mean((2, 3)))
+
+
+class _Decoder(nn.Module):
+    """An embedding table, a projection written as transformers' Conv1D
+    writes it (addmm with a (in, out) parameter) and a product of two
+    activations: 2 weights and 3 activation inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(12, 8)
+        self.weight = nn.Parameter(torch.randn(8, 8))
+        self.bias = nn.Parameter(torch.randn(8))
+
+    def forward(self, ids):
+        h = torch.addmm(self.bias, self.embed(ids).view(-1, 8), self.weight).view(ids.shape[0], -1, 8)
+        return h @ h.transpose(1, 2)
+
+
+def test_coverage_counts_what_the_converted_graph_quantizes():
+    model, x = _ConvLinear().eval(), torch.randn(2, 3, 8, 8)
+    weight_only = pipeline.quantize(model, x, "w4a16", progress=False, algorithms=False)
+    assert str(coverage(weight_only)) == "W 2/2, A 0/2"
+    assert str(coverage(stock_quantize(model, x, [x], "XNNPACKQuantizer"))) == "W 2/2, A 2/2"
+    assert str(coverage(torch.export.export(model, (x,)).module())) == "W 0/2, A 0/2"
+
+
+def test_coverage_counts_addmm_embedding_and_products_of_activations():
+    torch.manual_seed(0)
+    model, ids = _Decoder().eval(), torch.randint(0, 12, (2, 5))
+    assert str(coverage(torch.export.export(model, (ids,)).module())) == "W 0/2, A 0/3"
+    # w8a8 keeps embedding tables float (presets), w8a16 quantizes them for memory.
+    ours = coverage(pipeline.quantize(model, ids, "w8a8", progress=False, algorithms=False))
+    assert str(ours) == "W 1/2, A 3/3" and ours.float_op_types() == ["embedding"]
+    assert str(coverage(pipeline.quantize(model, ids, "w8a16", progress=False, algorithms=False))) == "W 2/2, A 0/3"
+    # X86InductorQuantizer annotates linear, not addmm, nor an embedding or a matmul.
+    x86 = stock_quantize(model, ids, [ids], "X86InductorQuantizer")
+    assert str(coverage(x86)) == "W 0/2, A 0/3"
+    assert sorted(float_op_types(x86)) == ["addmm", "embedding"]
+    # The preset on that coverage leaves both float.
+    ours = coverage(pipeline.quantize(model, ids, on_stock_coverage("w8a8", float_op_types(x86)), progress=False,
+                                      algorithms=False))
+    assert str(ours) == "W 0/2, A 2/3"
+
+
+def test_covers_compares_the_quantized_counts():
+    weight_only, stock = Coverage(2, 2, 0, 2), Coverage(2, 2, 2, 2)
+    assert weight_only.covers(stock, activations=False) and not weight_only.covers(stock)
+    assert stock.covers(weight_only) and not Coverage(1, 2, 2, 2).covers(stock)
+    # Another flow's graph with one lookup fewer: the counts decide.
+    assert Coverage(14, 17, 14, 14).covers(Coverage(14, 16, 14, 14))

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 import torch.nn as nn
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tests.models.simple_quantizer import ConvLinear, LinearConvQuantizer
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -166,15 +166,47 @@ def batch(draw, shape, dtype):
     return x
 
 
+@st.composite
+def specs_and_batches(draw):
+    shape, granularity = draw(shapes_and_granularity())
+    dtype = draw(st.sampled_from(FLOAT_DTYPES))
+    fields = draw(st.one_of(int_specs(), FLOAT_SPECS))
+    spec = q.QSpec(granularity=granularity, observer=draw(OBSERVERS), **fields)
+    return spec, [draw(batch(shape, dtype)) for _ in range(draw(st.integers(2, 4)))]
+
+
+# A moving average from one fp32 extreme towards the other: new - old
+# overflows fp32 (found by hypothesis; the range went Inf, then NaN).
+OPPOSITE_EXTREMES = (
+    q.QSpec(q.IntFormat(2, True), scheme="asymmetric", observer=q.MovingAverageMinMaxObserver(0.01)),
+    [torch.tensor([-3.06e38]), torch.tensor([3.06e38]), torch.tensor([0.0015])],
+)
+
+
 @settings(max_examples=150, deadline=None)
-@given(data=st.data())
-def test_fused_steps_match_the_unfused_path_bit_for_bit(data):
-    shape, granularity = data.draw(shapes_and_granularity())
-    dtype = data.draw(st.sampled_from(FLOAT_DTYPES))
-    fields = data.draw(st.one_of(int_specs(), FLOAT_SPECS))
-    spec = q.QSpec(granularity=granularity, observer=data.draw(OBSERVERS), **fields)
-    xs = [data.draw(batch(shape, dtype)) for _ in range(data.draw(st.integers(2, 4)))]
-    assert_same_steps(spec, xs)
+@given(case=specs_and_batches())
+@example(case=OPPOSITE_EXTREMES)
+def test_fused_steps_match_the_unfused_path_bit_for_bit(case):
+    assert_same_steps(*case)
+
+
+def test_a_moving_average_between_opposite_fp32_extremes_stays_finite():
+    """(1 - c) * old + c * new by hand, in float64: the observer's fp32
+    range stays within one fp32 step of it, where new - old overflows fp32."""
+    spec, xs = OPPOSITE_EXTREMES
+    fq = q.FakeQuantize(spec)
+    c = torch.tensor(0.01, dtype=torch.float32).double()  # the constant as the fp32 ops round it
+    expected = None
+    for x in xs:
+        fq(x)
+        value = x.double()
+        expected = value if expected is None else (1 - c) * expected + c * value
+        for name in ("min_val", "max_val"):
+            got = fq._state(name).double()
+            assert torch.isfinite(got).all(), f"{name} {got} after batch {x}"
+            assert torch.allclose(got, expected, rtol=2**-22, atol=0), f"{name} {got}, expected {expected}"
+    assert torch.isfinite(fq._state("scale")).all()
+    assert_same_steps(*OPPOSITE_EXTREMES)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)

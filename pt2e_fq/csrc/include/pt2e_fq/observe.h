@@ -56,13 +56,27 @@ PT2E_FQ_HD float maximum_nan(float a, float b) {
 // How the running range takes a batch's range (both per block; a batch block
 // with no finite value is the empty range (+inf, -inf)). moving == false:
 // MinMaxObserver, the running minimum / maximum. moving: the exponential
-// moving average old + c * (new - old) (fp32, c rounded to fp32), where a
-// block seen for the first time (running range empty) takes the batch's range
-// and a batch block with no finite value leaves it.
+// moving average (moving_average), where a block seen for the first time
+// (running range empty) takes the batch's range and a batch block with no
+// finite value leaves it.
 struct RangeUpdate {
   bool moving;
   float c;
 };
+
+constexpr float kFloatMax = 3.4028234663852886e+38f;  // torch.finfo(torch.float32).max
+
+// old + c * (new - old) in fp32 (c rounded to fp32), as torch's
+// MovingAverageMinMaxObserver rounds it. new - old overflows where old and
+// new have opposite signs and are both near the fp32 limit; then
+// (old - c * old) + c * new: two terms of opposite signs, each no larger
+// than old or new, whose sum cannot overflow (an Inf range would turn the
+// qparams into Inf and NaN for good).
+PT2E_FQ_HD float moving_average(float old, float now, float c) {
+  const float d = sub_rn(now, old);
+  if (fabsf(d) <= kFloatMax) return add_rn(old, mul_rn(c, d));
+  return add_rn(sub_rn(old, mul_rn(c, old)), mul_rn(c, now));
+}
 
 PT2E_FQ_HD void update_range(const RangeUpdate& u, float batch_lo, float batch_hi, float& lo,
                              float& hi) {
@@ -74,8 +88,8 @@ PT2E_FQ_HD void update_range(const RangeUpdate& u, float batch_lo, float batch_h
   const bool seen = !(batch_lo > batch_hi);
   const bool fresh = lo > hi;
   if (!seen) return;
-  lo = fresh ? batch_lo : add_rn(lo, mul_rn(u.c, sub_rn(batch_lo, lo)));
-  hi = fresh ? batch_hi : add_rn(hi, mul_rn(u.c, sub_rn(batch_hi, hi)));
+  lo = fresh ? batch_lo : moving_average(lo, batch_lo, u.c);
+  hi = fresh ? batch_hi : moving_average(hi, batch_hi, u.c);
 }
 
 // The range a block's qparams come from: an empty one (lo > hi: no finite
