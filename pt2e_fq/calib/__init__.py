@@ -38,10 +38,11 @@ import torch
 
 from . import layers as _layers
 from . import statistics as _statistics
+from .activation_bias import correct_activation_bias
 from .bias_correction import bias_correction
 from .gptq import gptq
 
-__all__ = ["apply", "CalibReport", "LayerResult"]
+__all__ = ["apply", "CalibReport", "LayerResult", "correct_activation_bias"]
 
 
 @dataclass

@@ -278,6 +278,8 @@ def quantize(
     calibrate(prepared, batches, progress=progress)
     if name in presets.PTQ_ALGORITHMS:
         calib.apply(prepared, batches)
+    if name in presets.CNN_PTQ_ALGORITHMS and presets.is_convolutional(model):
+        calib.correct_activation_bias(prepared, batches)
     if qat_steps > 0:
         start_learning_ranges(prepared)
         model.eval()
