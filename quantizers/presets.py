@@ -30,10 +30,13 @@ global scale) keep MinMaxObserver. Bias stays in float.
 On a convolutional network the 4-bit presets' one-call form
 (pt2e_fq.cli.pipeline.quantize) keeps the layers 4 bits cannot carry at
 int8 per-channel weights, as deployed int4 models do: the first conv, the
-depthwise convs and the classifier (the last linear), with `int8_edges`;
-and it runs the post-training algorithms of PTQ_ALGORITHMS
-(pt2e_fq.calib: GPTQ rounding, bias correction) between calibration and
-convert. docs/quantizers.md, "Trained models", shows what both do.
+depthwise convs and the classifier (the last linear), with `int8_edges`
+(nvfp4's at FP8 E4M3 weights and activations), and it runs the
+post-training algorithms of PTQ_ALGORITHMS (pt2e_fq.calib: GPTQ rounding,
+bias correction) between calibration and convert, then, on a
+convolutional network, those of CNN_PTQ_ALGORITHMS (the whole model's mean
+output error removed layer by layer). docs/quantizers.md, "Trained
+models", shows what they do.
 
 MX and NVFP4 blocks run along the reduction dimension: a linear or matmul
 input's last axis, a conv input's channel axis (axis 1, hence the op-type

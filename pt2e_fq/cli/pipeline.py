@@ -255,7 +255,8 @@ def quantize(
     False: on a convolutional network the 4-bit presets keep the first conv,
     depthwise convs and classifier at int8 weights (presets.int8_edges), and
     pt2e_fq.calib.apply runs the algorithms of presets.PTQ_ALGORITHMS
-    between calibration and convert. With
+    between calibration and convert (on a convolutional network followed
+    by calib.correct_activation_bias: presets.CNN_PTQ_ALGORITHMS). With
     qat_steps > 0: prepare for QAT, calibrate, then train `qat_steps` steps
     (Adam, `lr`) to match the float model's outputs on the calibration
     batches (distillation, mean squared error), learnable ranges with the
