@@ -61,9 +61,8 @@ def correct_activation_bias(prepared: torch.fx.GraphModule, batches: Iterable) -
     """Adds to the bias of every layer of calib.layers (linear and conv2d
     with a weight point; a layer without bias gets one) the mean output
     difference, float minus quantized, on `batches` (tensors or tuples of
-    tensors, as for calibration). Observers must be off (after calibration:
-    calib.apply leaves them as they were); the model's points keep their
-    qparams. Returns one LayerShift per layer, in graph order.
+    tensors, as for calibration). The points keep their qparams: their
+    observers are off during the pass and then as they were. Returns one LayerShift per layer, in graph order.
 
     Args:
         prepared: the calibrated GraphModule of prepare_pt2e.
@@ -74,7 +73,7 @@ def correct_activation_bias(prepared: torch.fx.GraphModule, batches: Iterable) -
 
     Raises:
         TypeError: prepared is not a GraphModule.
-        ValueError: no batch, or a point whose observer is on.
+        ValueError: no batch.
     """
     if not isinstance(prepared, torch.fx.GraphModule):
         raise TypeError(f"correct_activation_bias: prepared must be the GraphModule of prepare_pt2e, got "
@@ -82,10 +81,18 @@ def correct_activation_bias(prepared: torch.fx.GraphModule, batches: Iterable) -
     inputs = [tree_leaves(b if isinstance(b, tuple) else (b,)) for b in batches]
     if not inputs:
         raise ValueError("correct_activation_bias: batches holds no batch")
-    observing = [name for name, m in prepared.named_modules() if isinstance(m, FakeQuantize) and m._observer_on]
-    if observing:
-        raise ValueError(f"correct_activation_bias: the observer of {observing[0]} is on; switch observers off after "
-                         "calibration (enable_observer(False)) so that the pass does not move the ranges")
+    points = [m for m in prepared.modules() if isinstance(m, FakeQuantize)]
+    observing = [m._observer_on for m in points]
+    for m in points:  # the pass must not move the ranges
+        m.enable_observer(False)
+    try:
+        return _correct_all(prepared, inputs)
+    finally:
+        for m, on in zip(points, observing):
+            m.enable_observer(on)
+
+
+def _correct_all(prepared: torch.fx.GraphModule, inputs: list) -> list[LayerShift]:
     layers = {layer.node: layer for layer in _layers.find_layers(prepared)}
     graph = prepared.graph
     nodes = list(graph.nodes)

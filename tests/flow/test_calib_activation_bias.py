@@ -3,8 +3,6 @@ mean output channel on the calibration batches equals the float model's
 (both models run directly), the user's model is unchanged, and misuse is
 a clear error."""
 
-import copy
-
 import pytest
 import torch
 from torch import nn
@@ -66,12 +64,19 @@ def test_every_layer_output_mean_matches_the_float_model():
     assert model.project.bias is None
 
 
-def test_observers_on_is_an_error():
+def test_ranges_and_observer_switches_are_kept():
     model, prepared, batches = _prepared()
-    next(m for m in prepared.modules() if isinstance(m, FakeQuantize)).enable_observer(True)
-    with pytest.raises(ValueError, match="observer of .* is on"):
-        correct_activation_bias(prepared, batches)
+    points = [m for m in prepared.modules() if isinstance(m, FakeQuantize)]
+    points[0].enable_observer(True)
+    qparams = [{k: v.clone() for k, v in m.calculate_qparams().items()} for m in points]
+    correct_activation_bias(prepared, batches)
+    assert [m._observer_on for m in points] == [True] + [False] * (len(points) - 1)
+    assert all(torch.equal(v, m.calculate_qparams()[k]) for m, q in zip(points, qparams) for k, v in q.items())
+
+
+def test_bad_arguments_are_errors():
+    model, prepared, batches = _prepared()
     with pytest.raises(ValueError, match="no batch"):
-        correct_activation_bias(copy.deepcopy(prepared), [])
+        correct_activation_bias(prepared, [])
     with pytest.raises(TypeError, match="GraphModule"):
         correct_activation_bias(model, batches)
