@@ -1,16 +1,22 @@
 """Bias correction of the whole quantization error (Nagel et al., 2019,
 empirical form, on every layer in graph order): per output channel, the
-mean difference between the float model's layer output and the quantized
-model's, over the calibration batches, added to the layer's bias.
+mean difference between the reference's layer output (below: the float
+model, or the model with calib.apply's rounded weights and no activation
+point) and the quantized model's, over the calibration batches, added to
+the layer's bias.
 
 calib.bias_correction removes the mean error of a layer's weight rounding
 on the inputs the layer sees; this removes what is left of the mean error
 at the layer's output whatever caused it: the activation points' rounding
-and clipping (a ReLU6 network's clipped ranges shift means), and the
-upstream layers' errors, which a depthwise conv (few inputs per output)
-passes on undamped. The model runs twice in lockstep, node by node over all
-batches: as prepared (fake-quant points quantizing) and as the float model
-(every point passing its input through, weights included). Each layer's
+and clipping (a ReLU6 network's clipped ranges shift means), and what the
+upstream layers pass on (a depthwise conv, few inputs per output, passes
+it on undamped). The model runs twice in lockstep, node by node over all
+batches: as prepared (fake-quant points quantizing) and as the reference
+(every point passing its input through, weights included), with the
+graph's current parameters: run first, the reference is the float model;
+run after calib.apply (as pipeline.quantize does), it has apply's rounded
+weights and corrected biases, whose weight-rounding mean error apply
+removed, so what this removes is the activation points' share. Each layer's
 correction is applied before the layers after it run, so each corrects
 what remains at its own output.
 """
