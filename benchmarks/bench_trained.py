@@ -9,7 +9,8 @@ Rows per model: the float model; each preset as `get_preset(name)` gives it
 ("preset default": on a CNN the 4-bit presets keep the first conv,
 depthwise convs and classifier at int8 weights, presets.int8_edges; then
 pt2e_fq.calib.apply's GPTQ and bias correction for the presets of
-presets.PTQ_ALGORITHMS, timed: wall and CPU seconds); XNNPACKQuantizer and
+presets.PTQ_ALGORITHMS, timed: wall and CPU seconds, and on a CNN
+calib.correct_activation_bias, presets.CNN_PTQ_ALGORITHMS); XNNPACKQuantizer and
 X86InductorQuantizer with int8 and int4 weights (stock_flows.stock_quantizer).
 Metrics: benchmarks/trained_models.py (± one standard error).
 
@@ -65,9 +66,7 @@ def _ours(model, calibration, name: str, default: bool):
     config = preset_default_config(model, name) if default else presets.get_preset(name)
     prepared = pipeline.prepare(model, calibration[0], config)
     pipeline.calibrate(prepared, calibration, progress=False)
-    report = None
-    if default and name in presets.PTQ_ALGORITHMS:
-        report = calib.apply(prepared, calibration, equalization="equalization" in presets.PTQ_ALGORITHMS[name])
+    report = pipeline.run_ptq_algorithms(prepared, model, calibration, name if default else None)
     return convert_pt2e(prepared), report
 
 

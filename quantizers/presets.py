@@ -43,10 +43,13 @@ one-call form quantizes them round-to-nearest.
 On a convolutional network the 4-bit presets' one-call form
 (pt2e_fq.cli.pipeline.quantize) keeps the layers 4 bits cannot carry at
 int8 per-channel weights, as deployed int4 models do: the first conv, the
-depthwise convs and the classifier (the last linear), with `int8_edges`;
-and it runs the post-training algorithms of PTQ_ALGORITHMS
-(pt2e_fq.calib: activation-weight equalisation, GPTQ rounding, bias
-correction) between calibration and convert. docs/quantizers.md, "Trained models", shows what both do.
+depthwise convs and the classifier (the last linear), with `int8_edges`
+(nvfp4's at FP8 E4M3 weights and activations), and it runs the
+post-training algorithms of PTQ_ALGORITHMS (pt2e_fq.calib: activation-weight
+equalisation, GPTQ rounding, bias correction) between calibration and
+convert, then, on a convolutional network, those of CNN_PTQ_ALGORITHMS (the
+whole model's mean output error removed layer by layer). docs/quantizers.md,
+"Trained models", shows what they do.
 
 MX and NVFP4 blocks run along the reduction dimension: a linear or matmul
 input's last axis, a conv input's channel axis (axis 1, hence the op-type
@@ -176,30 +179,61 @@ _QAT_PRESETS = _presets(_INT8_ACT_QAT)
 # 0.9999 without it.
 PTQ_ALGORITHMS = {name: ("equalization", "gptq", "bias_correction") for name in ("w8a8", "w4a8", "w4a16", "nvfp4")}
 PTQ_ALGORITHMS["w8a16"] = ("gptq", "bias_correction")
+# What pipeline.quantize runs after PTQ_ALGORITHMS' on a convolutional network (is_convolutional):
+# pt2e_fq.calib.activation_bias, the mean output error of the whole quantized model (activation
+# points included) removed layer by layer (EfficientNet-Lite0 w8a8: docs/quantizers.md, "Trained models").
+CNN_PTQ_ALGORITHMS = {name: ("activation_bias",) for name in PTQ_ALGORITHMS}
 # Presets whose one-call form keeps a convolutional network's edge layers at int8 weights (int8_edges).
 INT8_EDGE_PRESETS = ("w4a8", "w4a16", "nvfp4", "mxfp4")
 
 
-def int8_edges(config: QuantizerConfig, model) -> QuantizerConfig:
-    """`config` with the first conv, every depthwise conv and the last
-    linear (the classifier) of `model` at int8 per-channel symmetric
-    weights (w8a8's), their activations as the config gives them, by module
-    name; a model without convolutions is left as it is (its last linear is
-    no classifier). Changes and returns `config`."""
+def is_convolutional(model) -> bool:
+    """True when `model` has a torch.nn.Conv2d (the CNN defaults apply:
+    int8_edges, CNN_PTQ_ALGORITHMS).
+
+    Args:
+        model: a torch.nn.Module.
+
+    Returns:
+        Whether any submodule is a Conv2d."""
     import torch
 
-    convs = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Conv2d)]
-    if not convs:
+    return any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
+
+
+def int8_edges(config: QuantizerConfig, model) -> QuantizerConfig:
+    """`config` with the first conv, every depthwise conv and the last
+    linear (the classifier) of `model` at 8 bits, by module name: int8
+    per-channel symmetric weights (w8a8's) with the activations the config
+    gives them; for an NVFP4 config, FP8 E4M3 weights per channel and FP8
+    E4M3 activations per tensor (the fp8 preset's), the 8-bit format of the
+    hardware that runs NVFP4 (NVFP4's 4-bit activations on a depthwise
+    conv's input, blocks of 16 channels at one pixel, lose most of it). A
+    model without convolutions is left as it is (its last linear is no
+    classifier). Changes and returns `config`.
+
+    Args:
+        config: the preset's QuantizerConfig.
+        model: the float model (module names and conv shapes are read).
+
+    Returns:
+        config, changed."""
+    import torch
+
+    if not is_convolutional(model):
         return config
+    convs = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Conv2d)]
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     names = {convs[0][0]} | {n for n, m in convs if m.groups > 1 and m.groups == m.in_channels}
     names |= set(linears[-1:])
-    weight = PRESETS["w8a8"].global_config.weight
+    fp8 = config.global_config.weight is not None and config.global_config.weight.format == NVFP4
+    edge = PRESETS["fp8"].global_config if fp8 else None
+    weight = edge.weight if fp8 else PRESETS["w8a8"].global_config.weight
     conv_config = config.operator_type.get("conv2d") or config.global_config
     for name in sorted(names):
         is_conv = isinstance(model.get_submodule(name), torch.nn.Conv2d)
-        base = conv_config if is_conv else config.global_config
-        config.set_module_name(name, OpConfig(input_activation=base.input_activation, weight=weight))
+        activation = edge.input_activation if fp8 else (conv_config if is_conv else config.global_config).input_activation
+        config.set_module_name(name, OpConfig(input_activation=activation, weight=weight))
     return config
 
 

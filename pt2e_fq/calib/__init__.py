@@ -44,11 +44,12 @@ import torch
 
 from . import layers as _layers
 from . import statistics as _statistics
+from .activation_bias import correct_activation_bias
 from .bias_correction import bias_correction
 from .equalization import EqualizeResult, equalize
 from .gptq import gptq
 
-__all__ = ["apply", "equalize", "CalibReport", "EqualizeResult", "LayerResult"]
+__all__ = ["apply", "equalize", "CalibReport", "EqualizeResult", "LayerResult", "correct_activation_bias"]
 
 
 @dataclass

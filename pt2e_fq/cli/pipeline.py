@@ -219,6 +219,28 @@ def train(
     return losses
 
 
+def run_ptq_algorithms(prepared, model, batches, name):
+    """Runs a preset's post-training algorithms on a calibrated `prepared`
+    model: pt2e_fq.calib.apply with those of presets.PTQ_ALGORITHMS[name],
+    then, when `model` is convolutional, those of
+    presets.CNN_PTQ_ALGORITHMS[name] (calib.correct_activation_bias).
+
+    Args:
+        prepared: the calibrated GraphModule of prepare_pt2e.
+        model: the float model it was exported from (decides the CNN step).
+        batches: the calibration batches (tuples of tensors).
+        name: the preset's name, or None (nothing runs).
+
+    Returns:
+        calib.apply's CalibReport, or None when the preset runs no algorithm."""
+    report = None
+    if name in presets.PTQ_ALGORITHMS:
+        report = calib.apply(prepared, batches, equalization="equalization" in presets.PTQ_ALGORITHMS[name])
+    if name in presets.CNN_PTQ_ALGORITHMS and presets.is_convolutional(model):
+        calib.correct_activation_bias(prepared, batches)
+    return report
+
+
 def quantize(
     model: torch.nn.Module,
     example_inputs,
@@ -239,7 +261,8 @@ def quantize(
     False: on a convolutional network the 4-bit presets keep the first conv,
     depthwise convs and classifier at int8 weights (presets.int8_edges), and
     pt2e_fq.calib.apply runs the algorithms of presets.PTQ_ALGORITHMS
-    between calibration and convert. With
+    between calibration and convert (on a convolutional network followed
+    by calib.correct_activation_bias: presets.CNN_PTQ_ALGORITHMS). With
     qat_steps > 0: prepare for QAT, calibrate, then train `qat_steps` steps
     to match the float model's outputs on the calibration batches
     (pt2e_fq.qat.distill: Adam at `lr` with a cosine decay; `loss` "mse",
@@ -259,8 +282,7 @@ def quantize(
         config = presets.int8_edges(presets.get_preset(name), model)
     prepared = prepare(model, example, config, qat=qat_steps > 0, dynamic_batch=dynamic_batch)
     calibrate(prepared, batches, progress=progress)
-    if name in presets.PTQ_ALGORITHMS:
-        calib.apply(prepared, batches, equalization="equalization" in presets.PTQ_ALGORITHMS[name])
+    run_ptq_algorithms(prepared, model, batches, name)
     if qat_steps > 0:
         qat.distill(prepared, model, batches, steps=qat_steps, loss=loss, temperature=temperature, lr=lr,
                     progress=progress, desc="QAT")
