@@ -26,6 +26,19 @@ global scale) keep MinMaxObserver. Bias stays in float.
 | mxfp8  | MXFP8 E4M3 (blocks of 32, E8M0 scales) | MXFP8 E4M3, dynamic |
 | mxfp4  | MXFP4 (blocks of 32, E8M0 scales)  | MXFP4, dynamic |
 | nvfp4  | NVFP4 (blocks of 16, E4M3 scales, per-tensor global scale) | NVFP4, static global scale |
+| w4a8-dyn | int4 per group of 32, symmetric | int8 per token, asymmetric, dynamic (linears only) |
+| w8a8-dyn | int8 per channel, symmetric | int8 per token, asymmetric, dynamic (linears only) |
+
+The `-dyn` presets are the LLM deployment layout of ExecuTorch's XNNPACK
+("8da4w", "8da8w"): activations quantized per token at run time, as
+XNNPACK's dynamically quantized linear does, and the weights and the
+activations' qparams computed as torchao's QAT (`Int8DynamicActivation-
+IntxWeightConfig`) computes them, so QAT here trains what torchao's trains.
+They quantize every linear (an lm_head too; linear, addmm and einsum with a
+weight) and nothing else: a matmul of two activations (attention) and convs
+stay float, as in torchao's 8da4w; XNNPACK's dynamically quantized ops take
+a static weight. No int8 edges and no post-training algorithms: the
+one-call form quantizes them round-to-nearest.
 
 On a convolutional network the 4-bit presets' one-call form
 (pt2e_fq.cli.pipeline.quantize) keeps the layers 4 bits cannot carry at
@@ -67,13 +80,14 @@ from pt2e_fq import (
     PerChannel,
     PerGroup,
     PerTensor,
+    PerToken,
     QSpec,
 )
 from pt2e_fq.export.lowering.qdq import XNNPACK_FUSED_ACTIVATIONS
 from pt2e_fq.spec.format_kinds import MX, kind_of
 
 from .config import OpConfig, QuantizerConfig
-from .patterns import CONV_OPS
+from .patterns import CONV_OPS, OP_TYPES
 
 _WEIGHT_OBSERVER = CurrentMinMaxObserver()
 _INT8_ACT = QSpec(INT8, PerTensor(), "asymmetric", observer=HistogramObserver())
@@ -113,6 +127,24 @@ def _block_config(fmt, activation_dynamic: bool) -> QuantizerConfig:
     return _compute_inputs_only(config)
 
 
+# The -dyn presets' activations (module doc): int8 per token, asymmetric, from the live tensor.
+_INT8_PER_TOKEN_ACT = QSpec(INT8, PerToken(), "asymmetric", dynamic=True)
+# Presets whose activations are dynamic per token: XNNPACK runs their linears as dynamically
+# quantized linears with float outputs, so get_preset(name, target="xnnpack") takes them as they are.
+DYNAMIC_ACTIVATION_PRESETS = ("w4a8-dyn", "w8a8-dyn")
+# Op types the -dyn presets quantize: the linear forms (quantizers/patterns.py).
+_LINEAR_OP_TYPES = ("linear", "addmm", "einsum")
+
+
+def _linear_only_config(weight: QSpec, activation: QSpec) -> QuantizerConfig:
+    """Every linear form at (activation, weight); every other op type float."""
+    config = QuantizerConfig(OpConfig(input_activation=activation, weight=weight))
+    for op_type in OP_TYPES:
+        if op_type not in _LINEAR_OP_TYPES:
+            config.set_operator_type(op_type, None)
+    return config
+
+
 def _presets(int8_activation: QSpec) -> dict[str, QuantizerConfig]:
     fp8_act = QSpec(FP8_E4M3, PerTensor(), dynamic=True)
     return {
@@ -125,6 +157,10 @@ def _presets(int8_activation: QSpec) -> dict[str, QuantizerConfig]:
         "mxfp8": _block_config(MXFP8_E4M3, activation_dynamic=True),
         "mxfp4": _block_config(MXFP4, activation_dynamic=True),
         "nvfp4": _block_config(NVFP4, activation_dynamic=False),
+        "w4a8-dyn": _linear_only_config(QSpec(INT4, PerGroup(32, 1), "symmetric", observer=_WEIGHT_OBSERVER),
+                                        _INT8_PER_TOKEN_ACT),
+        "w8a8-dyn": _linear_only_config(QSpec(INT8, PerChannel(0), "symmetric", observer=_WEIGHT_OBSERVER),
+                                        _INT8_PER_TOKEN_ACT),
     }
 
 
@@ -193,14 +229,17 @@ def get_preset(name: str, target: str = "generic", *, qat: bool = False) -> Quan
     Inductor from fusing attention's matmuls and softmax into its flash
     attention (docs/export.md, Speed). "xnnpack" is an error: XNNPACK runs
     an op in int8 only with its output quantized, which the presets leave
-    float; use every_point(name, target="xnnpack")."""
+    float; use every_point(name, target="xnnpack"); except for the
+    presets of DYNAMIC_ACTIVATION_PRESETS, whose dynamically quantized
+    linears XNNPACK runs with float outputs: those come as they are."""
     if name not in PRESETS:
         raise ValueError(f"get_preset: unknown preset {name!r}; allowed: {', '.join(PRESETS)}")
     _check_target("get_preset", target)
-    if target == "xnnpack":
+    if target == "xnnpack" and name not in DYNAMIC_ACTIVATION_PRESETS:
         raise ValueError("get_preset: target 'xnnpack': XNNPACK runs a linear or conv in int8 only with its output "
                          "quantized, and the presets leave outputs float; use "
-                         f"presets.every_point({name!r}, target='xnnpack')")
+                         f"presets.every_point({name!r}, target='xnnpack'), or a dynamic-activation preset "
+                         f"({', '.join(DYNAMIC_ACTIVATION_PRESETS)})")
     config = QuantizerConfig.from_dict((_QAT_PRESETS if qat else PRESETS)[name].to_dict())
     return _for_x86_inductor(config) if target == "x86_inductor" else config
 

@@ -113,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
                           help="the inputs' shapes, dims joined by x, inputs by commas (1x3x32x32,1x10), "
                                "random float32; or a .pt file holding a tensor or a tuple of tensors")
     which = quantize.add_mutually_exclusive_group(required=True)
-    which.add_argument("--preset", metavar="NAME", help="a preset name, e.g. w8a8 or w4a8 (docs/quantizers.md lists them)")
+    which.add_argument("--preset", metavar="NAME", help="a preset name, e.g. w8a8, w4a8 or w4a8-dyn (docs/quantizers.md lists them)")
     which.add_argument("--config", metavar="FILE", help="a QuantizerConfig file (.yaml, .yml or .json)")
     quantize.add_argument("--calib-data", metavar="FILE.pt",
                           help="calibration batches: a list of batches (each a tensor or a tuple of tensors), "
@@ -137,7 +137,8 @@ def _parser() -> argparse.ArgumentParser:
                           help="export an ExecuTorch program (XNNPACK delegate; needs the executorch extra) "
                                "and check it in ExecuTorch's runtime; with --pte or --target xnnpack a --preset "
                                "goes on every tensor with XNNPACK's fusions (presets.every_point(..., "
-                               "target='xnnpack')), as XNNPACK delegates int8 ops with int8 outputs only")
+                               "target='xnnpack')), as XNNPACK delegates static int8 ops with int8 outputs only; "
+                               "a dynamic-activation preset (w4a8-dyn, w8a8-dyn) is taken as it is")
     quantize.add_argument("--unsupported", choices=UNSUPPORTED, default="error",
                           help="a point the target cannot take: an error (default), kept as our op, or, for a "
                                "weight, stored as its fake-quantized floats")
@@ -353,7 +354,11 @@ def quantizer_config(args):
         if args.preset not in presets.PRESETS:
             raise UsageError(f"--preset: unknown preset {args.preset!r}; allowed: {', '.join(presets.PRESETS)}")
         qat = getattr(args, "qat_steps", 0) > 0  # the preset's QAT form (presets.get_preset)
-        if getattr(args, "pte", None) or getattr(args, "target", None) == "xnnpack":
+        xnnpack = getattr(args, "pte", None) or getattr(args, "target", None) == "xnnpack"
+        if xnnpack and args.preset in presets.DYNAMIC_ACTIVATION_PRESETS:
+            # XNNPACK's dynamically quantized linears have float outputs: the preset as it is.
+            return presets.get_preset(args.preset, target="xnnpack", qat=qat)
+        if xnnpack:
             # XNNPACK delegates int8 ops with int8 outputs only (docs/export.md): the preset on every
             # tensor, an op's output point after ReLU / clamp only (the activations XNNPACK fuses).
             return presets.every_point(args.preset, target="xnnpack", qat=qat)
