@@ -26,7 +26,13 @@ What each target takes:
   a linear before a GELU whose output is the point is not): such an op's
   weight is stored as its fake-quantized floats, and listed. Quantize for
   it with quantizers.presets.every_point(name, target="xnnpack"), which
-  puts such a point on the linear's own output.
+  puts such a point on the linear's own output. And XNNPACK's dynamically
+  quantized linear (the w4a8-dyn / w8a8-dyn presets): a dynamic int8
+  per-token asymmetric input becomes torchao's choose_qparams_affine ->
+  quantize_affine -> dequantize_affine, one chain per linear as torchao's
+  8da4w export has it; its weight may be per-channel or int4 symmetric per
+  group (1, g). XNNPACK recomputes the per-token qparams itself and keeps
+  group scales in bfloat16 (check.py has what that costs).
 - x86_inductor: per-tensor activations as uint8 (an int8 point's codes and
   zero point shifted by 128, which is exact); int8 symmetric per-channel
   weights (a per-tensor weight becomes per-channel with its scale repeated).
@@ -193,7 +199,7 @@ def _plan(call: OpCall, target: str, weight: bool, scale, zero_point, x_shape) -
         return None, "the MINVAL formulation (a float minimum per block): the standard dequantize takes an integer zero point"
     qmin, qmax = call.quant_min, call.quant_max
     if scale is None or (call.zero_point is not None and zero_point is None):
-        return _dynamic_plan(call, weight, x_shape)
+        return _dynamic_plan(call, target, weight, x_shape)
     granularity, axis = _granularity(scale, call.block_size, x_shape)
     symmetric = zero_point is None or bool((zero_point == 0).all())
     what = f"{'weight' if weight else 'activation'} [{qmin}, {qmax}] per {granularity}"
@@ -248,7 +254,7 @@ def _xnnpack_group_weight(call: OpCall, x_shape, symmetric: bool) -> bool:
             and x_shape[1] % block[1] == 0 and symmetric and (call.quant_min, call.quant_max) == (-8, 7))
 
 
-def _dynamic_plan(call: OpCall, weight: bool, x_shape) -> tuple[Optional[_Plan], str]:
+def _dynamic_plan(call: OpCall, target: str, weight: bool, x_shape) -> tuple[Optional[_Plan], str]:
     """A dynamic point (qparams computed from the live tensor) lowers as
     torchao's per-token choose_qparams_affine / quantize_affine /
     dequantize_affine, the pattern XNNPACK's dynamically quantized linear
@@ -259,6 +265,8 @@ def _dynamic_plan(call: OpCall, weight: bool, x_shape) -> tuple[Optional[_Plan],
                  and call.block_size[-1] >= x_shape[-1])
     if weight:
         return None, "its qparams are computed in the graph (a dynamic weight); the lowering takes a weight's static qparams"
+    if target == "x86_inductor":
+        return None, "its qparams are computed in the graph (a dynamic point); Inductor's x86 int8 kernels take static ones"
     if not per_token:
         return None, (f"a dynamic activation with blocks {tuple(call.block_size)}: the lowering takes dynamic "
                       "activations per token only (blocks of 1, the whole last dimension)")
@@ -353,7 +361,7 @@ def _lower_activation(em: _Emitter, x, scale, zero_point, plan: _Plan) -> tuple[
     return em.call(qd.dequantize_per_channel.default, q, *args), "quantize_per_channel/dequantize_per_channel"
 
 
-_CHOOSE_QPARAMS_AFFINE = "choose_qparams_affine"
+_DYNAMIC_LOWERED_AS = "choose_qparams_affine/quantize_affine/dequantize_affine"
 
 
 def _lower_dynamic(em: _Emitter, x, value: torch.fx.Node, plan: _Plan) -> list[torch.fx.Node]:
@@ -367,7 +375,7 @@ def _lower_dynamic(em: _Emitter, x, value: torch.fx.Node, plan: _Plan) -> list[t
     bounds = (plan.quant_min, plan.quant_max)
     dqs = []
     for user in list(value.users):
-        chosen = em.call(getattr(tao, _CHOOSE_QPARAMS_AFFINE).default, x, "ASYMMETRIC", block, plan.dtype, *bounds,
+        chosen = em.call(tao.choose_qparams_affine.default, x, "ASYMMETRIC", block, plan.dtype, *bounds,
                          INT_SCALE_EPS, torch.float32, plan.dtype)
         scale, zero_point = (em.call(operator.getitem, chosen, i) for i in (0, 1))
         q = em.call(tao.quantize_affine.default, x, block, scale, zero_point, plan.dtype, *bounds)
@@ -521,7 +529,7 @@ def lower_points(gm: torch.fx.GraphModule, target: str, unsupported: str) -> Qdq
         if plan.granularity == "token":
             with gm.graph.inserting_before(node):
                 dynamic_dqs.update(_lower_dynamic(em, call.x, value, plan))
-            points.append(QdqPoint(name, module, role, "choose_qparams_affine/quantize_affine/dequantize_affine"))
+            points.append(QdqPoint(name, module, role, _DYNAMIC_LOWERED_AS))
             continue
         with gm.graph.inserting_before(node):
             if w is not None:
@@ -608,10 +616,12 @@ def to_qdq(
     result = lower_points(gm, target, unsupported)
     if result.kept or result.in_float:
         warnings.warn(str(result), stacklevel=2)
-    # Kept points still return the packed mask: see program.py for why export is size-oblivious.
-    # Only then: size-oblivious reasoning takes torchao's per-token ops' `block 1 != size` on a
-    # dynamic batch or sequence length as a guard that the size is not 1.
-    with torch.fx.experimental._config.patch(backed_size_oblivious=bool(result.kept)):
+    # Export size-oblivious as program.py does (kept points still return the packed mask, and an
+    # example of size 1 keeps its dimension dynamic), except with dynamic points lowered: there
+    # size-oblivious reasoning takes torchao's per-token ops' `block 1 != size` on a dynamic batch
+    # or sequence length as a guard that the size is not 1.
+    oblivious = not any(p.lowered_as == _DYNAMIC_LOWERED_AS for p in result.points)
+    with torch.fx.experimental._config.patch(backed_size_oblivious=oblivious):
         lowered = torch.export.export(gm, args, dynamic_shapes=dynamic_shapes)
     return (lowered, result) if summary else lowered
 
