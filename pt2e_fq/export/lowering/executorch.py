@@ -182,7 +182,7 @@ def _outside_nodes(edge: torch.export.ExportedProgram, reasons: dict) -> list:
     for node in edge.graph.nodes:
         if node.op != "call_function" or node.target is operator.getitem or "executorch_call_delegate" in str(node.target):
             continue
-        op = str(node.target)
+        op = str(getattr(node.target, "_op", node.target))  # an edge op's ATen overload: aten.mean.dim
         found.append((node.name, op, reasons.get(node.name, _NO_CONFIG)))
     return found
 
