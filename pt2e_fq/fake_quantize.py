@@ -392,10 +392,47 @@ class FakeQuantize(FakeQuantizeBase):
             self.qspec, x, block_size, state, self._observer.fused_averaging_constant()
         )
 
+    def _fuses_current(self, x: torch.Tensor) -> bool:
+        """Whether a dynamic point's step runs as one fused op
+        (`_fake_quantize_current`): an integer format with the default
+        observer, in an eager step with gradients on (training, where the
+        step's cost counts). Everywhere else the unfused ops, the fused
+        op's reference, with the same bits: an exported program computes
+        the qparams in ATen ops that a lowering reads (to_qdq), Inductor
+        fuses them, and the report (under no_grad) reads the static op's
+        call."""
+        return (
+            isinstance(self.qspec.format, IntFormat)
+            and type(self._observer) is CurrentMinMaxObserver
+            and x.numel() > 0
+            and torch.is_grad_enabled()
+            and not (torch.compiler.is_compiling() or torch.compiler.is_exporting())
+        )
+
+    def _fake_quantize_current(self, x: torch.Tensor) -> torch.Tensor:
+        """A dynamic integer point's qparams for x and its fake
+        quantization in one op: the fused observe op on scratch state (an
+        empty running range, so the range is x's), bit for bit
+        `current_qparams` then the op."""
+        block_size = self.qspec.range_granularity.block_size(x.shape)
+        shape = reduced_shape(x.shape, block_size)
+        state = {
+            "min_val": torch.full(shape, math.inf, device=x.device),
+            "max_val": torch.full(shape, -math.inf, device=x.device),
+            "scale": torch.empty(shape, device=x.device),
+            "nonfinite": torch.zeros((), dtype=torch.int64, device=x.device),
+        }
+        offset = "minval" if self.qspec.formulation is Formulation.MINVAL else "zero_point"
+        state[offset] = torch.empty(shape, dtype=torch.float32 if offset == "minval" else torch.int32,
+                                    device=x.device)
+        return self._kind.fake_quantize_observe(self.qspec, x, block_size, state, None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qspec.dynamic:
             if not self._fake_quant_on:
                 return x
+            if self._fuses_current(x):
+                return self._fake_quantize_current(x)
             # (MX formats need nothing: the kernel scales every block itself.)
             qparams = self._dynamic_qparams(x) if self._qparam_names else {}
             return self._fake_quantize(x, qparams)
