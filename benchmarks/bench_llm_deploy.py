@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.metadata
 import os
 import platform
 import tempfile
@@ -110,7 +111,6 @@ def main() -> None:
     from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
     from executorch.runtime import Runtime
 
-    import executorch
     import torchao
 
     model = decoder()
@@ -147,7 +147,7 @@ def main() -> None:
             rows.append([name, f"{os.path.getsize(file) / 2**20:.2f}", f"{ms[name] / SEQ:.4f}", f"{base / ms[name]:.2f}x",
                          linears[name], f"{sqnr_db(reference, logits):.1f}", fq])
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU(s); torch {torch.__version__}, "
-          f"torchao {torchao.__version__}, executorch {getattr(executorch, '__version__', '?')}; "
+          f"torchao {torchao.__version__}, executorch {importlib.metadata.version('executorch')}; "
           f"{args.threads} XNNPACK thread(s); median of {args.repeats}; batch 1, sequence {SEQ}")
     print(tabulate(rows, headers=["variant", "MiB", "ms/token", "speed-up", "linears in XNNPACK",
                                   "SQNR vs float dB", f"SQNR vs fake-quant dB (min of {len(CHECK_SHAPES)} shapes)"]))
