@@ -134,8 +134,11 @@ def rotary_tables(head_dim: int, max_seq: int, base: float = 10000.0) -> tuple[t
 
 
 def rotate_half(x):
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat([-b, a], dim=-1)
+    # Slices, as transformers' Llama writes it: x.chunk(2, -1) exports as a
+    # split whose list output ExecuTorch's edge verifier measures with len(),
+    # which pinned a dynamic batch to the example's size.
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
 class RotaryAttention(nn.Module):

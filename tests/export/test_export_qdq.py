@@ -21,7 +21,7 @@ from pt2e_fq.cli import pipeline
 from benchmarks.models import CNN, EncoderBlock
 from pt2e_fq.export import UnsupportedPointError, check_lowered, compile_x86, to_qdq
 from pt2e_fq.fake_quantize import FakeQuantize
-from quantizers import presets
+from quantizers import OpConfig, QuantizerConfig, presets
 
 qd = torch.ops.quantized_decomposed
 ACT = q.QSpec(q.INT8, q.PerTensor(), "asymmetric")
@@ -341,3 +341,68 @@ def test_unsupported_float_stores_the_fake_quantized_weight():
     int16 = ptq(q.QSpec(q.INT16, q.PerTensor(), "asymmetric"), WEIGHTS["per_channel"])
     with pytest.raises(UnsupportedPointError, match="input of conv2d"):
         to_qdq(int16, x, target="xnnpack", unsupported="float")
+
+
+class SharedInputLinears(nn.Module):
+    """Two linears reading one input (as attention's q, k, v do), then a third."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, 8)
+
+    def forward(self, x):
+        return self.c(self.a(x) * self.b(x))
+
+
+def _dynamic(config, model, shape=(2, 5, 64)):
+    """`model` quantized with `config` (a preset name or a QuantizerConfig) by pipeline.quantize."""
+    torch.manual_seed(0)
+    return pipeline.quantize(model.eval(), batch(0, shape), config, calibration=[batch(1, shape)], progress=False)
+
+
+@pytest.mark.parametrize("preset, weight_dequantize", [("w4a8-dyn", "torchao.dequantize_affine"),
+                                                         ("w8a8-dyn", "dequantize_per_channel")])
+def test_dynamic_per_token_activations_become_one_torchao_chain_per_linear(preset, weight_dequantize):
+    model = _dynamic(preset, SharedInputLinears())
+    x = batch(9, (3, 5, 64))  # pipeline.quantize exports a dynamic batch only
+    program, summary = to_qdq(model, x, target="xnnpack", summary=True)
+    calls = [n for n in program.graph.nodes if n.op == "call_function"]
+    choose = [n for n in calls if n.target == torch.ops.torchao.choose_qparams_affine.default]
+    linears = [n for n in calls if n.target == torch.ops.aten.linear.default]
+    # The shared input's point gives each of its two linears its own chain, directly in front of it.
+    assert len(choose) == len(linears) == 3
+    for linear in linears:
+        dq = linear.args[0]
+        assert dq.target == torch.ops.torchao.dequantize_affine.default
+        assert dq.args[1] == [1, 1, 64] and dq.args[4:7] == (torch.int8, -128, 127)
+        assert dq.args[0].target == torch.ops.torchao.quantize_affine.default
+        assert dq.args[2].args[0] in choose  # scale: getitem of a choose_qparams_affine
+    assert all(p.lowered_as == "choose_qparams_affine/quantize_affine/dequantize_affine"
+               for p in summary.lowered if p.role.startswith("input"))
+    assert all(p.lowered_as.endswith(weight_dequantize) for p in summary.lowered if p.role.startswith("weight"))
+    expected = _weights_as_the_model_fake_quantizes_them(model)
+    got = _dequantized_weights(program)
+    assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
+    # torchao's per-token ops in eager against the fake-quant graph (its qparams follow torchao's).
+    check = check_lowered(program, model, x)
+    assert check.ok and check.outputs[0].sqnr_db > 40, str(check)
+
+
+def test_a_dynamic_activation_xnnpack_cannot_run_is_refused_naming_why():
+    act = q.QSpec(q.INT8, q.PerToken(), "asymmetric", dynamic=True)
+    weight = q.QSpec(q.INT4, q.PerGroup(32, 1), "symmetric", observer=q.CurrentMinMaxObserver())
+    # Dynamic points on attention's matmuls too: XNNPACK has no dynamically quantized matmul.
+    config = QuantizerConfig(OpConfig(input_activation=act, weight=weight))
+    model = _dynamic(config, EncoderBlock(d=64, heads=2, hidden=64))
+    x = batch(9, (2, 5, 64))
+    why = r"input of (add|matmul)\).*only as the input of a linear with a quantized weight; this one is read by"
+    with pytest.raises(UnsupportedPointError, match=why):
+        to_qdq(model, x, target="xnnpack")
+    with pytest.warns(UserWarning, match="kept as pt2e_fq ops"):
+        _, summary = to_qdq(model, x, target="x86_inductor", unsupported="keep", summary=True)
+    assert any("(a dynamic point); Inductor's x86 int8 kernels take static ones" in p.reason for p in summary.kept)
+    # Per-group int4 weights with static activations: XNNPACK's group weights are for dynamic ones only.
+    static = ptq(ACT, weight, model=nn.Sequential(nn.Linear(64, 8)), shape=(2, 64))
+    with pytest.raises(UnsupportedPointError, match="weight of linear.*per-block weight qparams"):
+        to_qdq(static, batch(9, (2, 64)), target="xnnpack")
+

@@ -298,7 +298,6 @@ XS = [torch.randn(4, 8, generator=torch.Generator().manual_seed(s)) for s in ran
 
 @pytest.mark.parametrize("spec", [
     q.QSpec(q.INT8, observer=q.MSEObserver(num_candidates=4)),
-    q.QSpec(q.INT8, q.PerToken(), "asymmetric", dynamic=True),
     q.QSpec(q.INT8, learnable=True),
     q.QSpec(q.MXFP8_E4M3, q.PerGroup(32), dynamic=True),
 ], ids=str)

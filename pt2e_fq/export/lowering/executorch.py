@@ -11,6 +11,9 @@ Needs the `executorch` extra: pip install "pt2e_fq[executorch]" (executorch
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import operator
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -46,6 +49,17 @@ class PteExport:
     delegated_nodes: int
     outside: dict
     delegated: dict = field(default_factory=dict)
+    # Per node left outside the delegate: (node name, op, why XNNPACK did not take it).
+    outside_nodes: list = field(default_factory=list)
+
+    @property
+    def delegated_linears(self) -> int:
+        """Linears XNNPACK runs (ExecuTorch's count of aten.linear in the delegate)."""
+        return self.delegated.get("aten_linear_default", 0)
+
+    def why_outside(self) -> str:
+        """One line per node left to ExecuTorch's portable kernels: the node, its op, and why."""
+        return "\n".join(f"  {name} ({op}): {reason}" for name, op, reason in self.outside_nodes)
 
     def __str__(self) -> str:
         outside = ", ".join(f"{op} x{n}" for op, n in sorted(self.outside.items())) or "none"
@@ -104,7 +118,8 @@ def to_executorch(
     program, summary = to_qdq(model_or_program, args, dynamic_shapes=dynamic_shapes, target="xnnpack",
                               unsupported=unsupported, summary=True)
     _check_bounded(program)
-    edge = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
+    with _partitioner_reasons() as reasons:
+        edge = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
     _check_ranges_kept(program, edge.exported_program())
     info = get_delegation_info(edge.exported_program().graph_module)
     outside = {op: b.non_delegated for op, b in info.delegation_by_operator.items()
@@ -122,9 +137,54 @@ def to_executorch(
             f"read by {users}) and ExecuTorch's runtime has no kernel for them outside the delegate; XNNPACK "
             "quantizes an op only when a dequantize feeds each of its inputs directly"
         )
+    outside_nodes = _outside_nodes(edge.exported_program(), reasons)  # before to_executorch rewrites the graph
     write_bytes(path, edge.to_executorch().buffer)
     return PteExport(os.fspath(path), summary, info.num_delegated_subgraphs, info.num_delegated_nodes, outside,
-                     delegated)
+                     delegated, outside_nodes)
+
+
+# ExecuTorch's XNNPACK partitioner says why it rejects a node through
+# WhyNoPartition, a debug record on its module's logger under this one.
+_XNNPACK_LOGGER = "executorch.backends.xnnpack"
+_NO_CONFIG = "XNNPACK has no kernel for this op (no partitioner config)"
+
+
+@contextlib.contextmanager
+def _partitioner_reasons():
+    """Collects {node name: reason} from the XNNPACK partitioner's
+    WhyNoPartition records while the block runs (the first reason per node)."""
+    reasons: dict = {}
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            why = record.msg
+            node = getattr(why, "node", None)
+            if node is not None and getattr(why, "reason", None):
+                reasons.setdefault(node.name, why.reason)
+
+    logger = logging.getLogger(_XNNPACK_LOGGER)
+    handler, level, propagate = Collect(logging.DEBUG), logger.level, logger.propagate
+    logger.addHandler(handler)
+    # The records stay here: at DEBUG they would otherwise reach the user's root handlers.
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False
+    try:
+        yield reasons
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
+def _outside_nodes(edge: torch.export.ExportedProgram, reasons: dict) -> list:
+    """(name, op, reason) of each op node the delegate did not take."""
+    found = []
+    for node in edge.graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem or "executorch_call_delegate" in str(node.target):
+            continue
+        op = str(getattr(node.target, "_op", node.target))  # an edge op's ATen overload: aten.mean.dim
+        found.append((node.name, op, reasons.get(node.name, _NO_CONFIG)))
+    return found
 
 
 def _check_bounded(program: torch.export.ExportedProgram) -> None:
@@ -144,13 +204,17 @@ def _check_bounded(program: torch.export.ExportedProgram) -> None:
 
 
 def _check_ranges_kept(program: torch.export.ExportedProgram, edge: torch.export.ExportedProgram) -> None:
-    """ExecuTorch's lowering must keep each dynamic dimension's range:
-    measured, a batch of Dim(min=1, max=8) exported on an example of batch 1
-    came out as [1, 2] (the .pte then refused batch 3), on batch 3 as [1, 8]."""
+    """ExecuTorch's lowering must keep each dynamic dimension's largest
+    size, for which it plans the memory: measured, a batch of Dim(min=1,
+    max=8) exported on an example of batch 1 came out as [1, 2] (the .pte
+    then refused batch 3), on batch 3 as [1, 8]. A smallest size of 1 that
+    comes out as 2 is torch's 0/1 specialization of its retrace, not a
+    limit: a Llama decoder's range [1, 64] came out as [2, 64], and its .pte
+    runs batch 1 and sequence length 1 (tested)."""
     narrowed = [f"{s}: [{r.lower}, {r.upper}] became [{edge.range_constraints[s].lower}, "
                 f"{edge.range_constraints[s].upper}]"
                 for s, r in program.range_constraints.items()
-                if s in edge.range_constraints and edge.range_constraints[s] != r]
+                if s in edge.range_constraints and edge.range_constraints[s].upper != r.upper]
     if narrowed:
         raise ValueError(
             f"to_executorch: ExecuTorch's lowering narrowed the dynamic dimension(s) {'; '.join(narrowed)}; "

@@ -26,7 +26,13 @@ What each target takes:
   a linear before a GELU whose output is the point is not): such an op's
   weight is stored as its fake-quantized floats, and listed. Quantize for
   it with quantizers.presets.every_point(name, target="xnnpack"), which
-  puts such a point on the linear's own output.
+  puts such a point on the linear's own output. And XNNPACK's dynamically
+  quantized linear (the w4a8-dyn / w8a8-dyn presets): a dynamic int8
+  per-token asymmetric input becomes torchao's choose_qparams_affine ->
+  quantize_affine -> dequantize_affine, one chain per linear as torchao's
+  8da4w export has it; its weight may be per-channel or int4 symmetric per
+  group (1, g). XNNPACK recomputes the per-token qparams itself and keeps
+  group scales in bfloat16 (check.py has what that costs).
 - x86_inductor: per-tensor activations as uint8 (an int8 point's codes and
   zero point shifted by 128, which is exact); int8 symmetric per-channel
   weights (a per-tensor weight becomes per-channel with its scale repeated).
@@ -59,6 +65,7 @@ from typing import Any, Optional
 import torch
 
 from ...ops.blocks import expand_blocks
+from ...spec.qparams import INT_SCALE_EPS
 from ...spec.format_kinds import INTEGER, OpCall
 from ...graph import as_args, check_finite_qparams, decode_node, is_fake_quant_node, point_name, point_role
 from ..program import exported_program
@@ -190,18 +197,19 @@ def _plan(call: OpCall, target: str, weight: bool, scale, zero_point, x_shape) -
         return None, f"{call.format.name} is not an integer format; the PT2E q/dq ops carry integer codes only"
     if call.minval is not None:
         return None, "the MINVAL formulation (a float minimum per block): the standard dequantize takes an integer zero point"
-    if scale is None or (call.zero_point is not None and zero_point is None):
-        return None, "its qparams are computed in the graph (a dynamic point); the lowering takes static qparams"
     qmin, qmax = call.quant_min, call.quant_max
+    if scale is None or (call.zero_point is not None and zero_point is None):
+        return _dynamic_plan(call, target, weight, x_shape)
     granularity, axis = _granularity(scale, call.block_size, x_shape)
     symmetric = zero_point is None or bool((zero_point == 0).all())
     what = f"{'weight' if weight else 'activation'} [{qmin}, {qmax}] per {granularity}"
     if granularity == "block":
         if not weight:
             return None, "per-block activation qparams: no standard quantize op takes them"
-        if target != "generic":
-            return None, (f"per-block weight qparams: {target} takes per-tensor or per-channel weights with "
-                          "static activations; use target='generic' or a per-channel weight")
+        if target == "x86_inductor" or (target == "xnnpack" and not _xnnpack_group_weight(call, x_shape, symmetric)):
+            return None, (f"per-block weight qparams: {target} takes per-tensor or per-channel weights"
+                          + (f" (and {_XNNPACK_GROUPS})" if target == "xnnpack" else "")
+                          + "; use target='generic' or a per-channel weight")
         if any(s % min(b, s) for s, b in zip(x_shape, call.block_size)):
             return None, f"blocks {tuple(call.block_size)} do not divide the weight's shape {tuple(x_shape)}"
         return _Plan("block", None, _code_dtype(qmin, qmax), qmin, qmax), ""
@@ -232,6 +240,41 @@ def _plan(call: OpCall, target: str, weight: bool, scale, zero_point, x_shape) -
     if granularity == "channel" and axis != 0:
         return None, f"Inductor's x86 int8 kernels take weights per output channel (axis 0); this one is per axis {axis}"
     return _Plan("channel", 0, torch.int8, qmin, qmax, per_channel_weight=granularity == "tensor"), ""
+
+
+# What XNNPACK's dynamically quantized linear takes as per-group weights
+# (ExecuTorch's per_channel_group: 4-bit codes only, its "qb4w").
+_XNNPACK_GROUPS = ("int4 [-8, 7] symmetric per-group weights of a linear, blocks (1, g) with g dividing its "
+                   "input size, read by a linear with dynamic per-token activations")
+
+
+def _xnnpack_group_weight(call: OpCall, x_shape, symmetric: bool) -> bool:
+    block = tuple(call.block_size)
+    return (len(x_shape) == 2 and len(block) == 2 and block[0] == 1 and block[1] < x_shape[1]
+            and x_shape[1] % block[1] == 0 and symmetric and (call.quant_min, call.quant_max) == (-8, 7))
+
+
+def _dynamic_plan(call: OpCall, target: str, weight: bool, x_shape) -> tuple[Optional[_Plan], str]:
+    """A dynamic point (qparams computed from the live tensor) lowers as
+    torchao's per-token choose_qparams_affine / quantize_affine /
+    dequantize_affine, the pattern XNNPACK's dynamically quantized linear
+    takes (it recomputes those qparams itself, per row): int8 [-128, 127]
+    with a zero point, one block per token (the whole last dimension)."""
+    dims = len(x_shape)
+    per_token = (dims >= 1 and isinstance(x_shape[-1], int) and all(b == 1 for b in call.block_size[:-1])
+                 and call.block_size[-1] >= x_shape[-1])
+    if weight:
+        return None, "its qparams are computed in the graph (a dynamic weight); the lowering takes a weight's static qparams"
+    if target == "x86_inductor":
+        return None, "its qparams are computed in the graph (a dynamic point); Inductor's x86 int8 kernels take static ones"
+    if not per_token:
+        return None, (f"a dynamic activation with blocks {tuple(call.block_size)}: the lowering takes dynamic "
+                      "activations per token only (blocks of 1, the whole last dimension)")
+    if (call.quant_min, call.quant_max) != (-128, 127) or call.zero_point is None:
+        return None, (f"a dynamic per-token activation in [{call.quant_min}, {call.quant_max}]"
+                      f"{'' if call.zero_point is not None else ' without a zero point'}: the runtimes' dynamic "
+                      "quantization is int8 [-128, 127] asymmetric")
+    return _Plan("token", None, torch.int8, -128, 127), ""
 
 
 def _fake_quantized(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Optional[torch.Tensor]:
@@ -318,6 +361,50 @@ def _lower_activation(em: _Emitter, x, scale, zero_point, plan: _Plan) -> tuple[
     return em.call(qd.dequantize_per_channel.default, q, *args), "quantize_per_channel/dequantize_per_channel"
 
 
+_DYNAMIC_LOWERED_AS = "choose_qparams_affine/quantize_affine/dequantize_affine"
+
+
+def _lower_dynamic(em: _Emitter, x, value: torch.fx.Node, plan: _Plan) -> list[torch.fx.Node]:
+    """A per-token choose_qparams_affine -> quantize_affine ->
+    dequantize_affine chain from x for each user of `value` (as torchao's
+    8da4w export has one per linear: XNNPACK's partitioner takes the chain
+    into each linear's partition); returns the dequantize nodes."""
+    tao = torch.ops.torchao
+    dims = x.meta["val"].dim()
+    block = [1] * (dims - 1) + [x.meta["val"].shape[-1]]
+    bounds = (plan.quant_min, plan.quant_max)
+    dqs = []
+    for user in list(value.users):
+        chosen = em.call(tao.choose_qparams_affine.default, x, "ASYMMETRIC", block, plan.dtype, *bounds,
+                         INT_SCALE_EPS, torch.float32, plan.dtype)
+        scale, zero_point = (em.call(operator.getitem, chosen, i) for i in (0, 1))
+        q = em.call(tao.quantize_affine.default, x, block, scale, zero_point, plan.dtype, *bounds)
+        dq = em.gm.graph.call_function(tao.dequantize_affine.default,
+                                       (q, block, scale, zero_point, plan.dtype, *bounds),
+                                       {"output_dtype": x.meta["val"].dtype})
+        dq.meta.update({k: v for k, v in value.meta.items() if k in ("nn_module_stack", "stack_trace")})
+        user.replace_input_with(value, dq)
+        dqs.append(dq)
+    return dqs
+
+
+def _xnnpack_dynamic_users(value: torch.fx.Node) -> str:
+    """Why XNNPACK cannot run the ops reading a dynamic activation, or ""
+    when each is a linear reading it as input with a quantized weight."""
+    for user in value.users:
+        weight = user.args[1] if user.target == torch.ops.aten.linear.default and len(user.args) > 1 else None
+        quantized_weight = isinstance(weight, torch.fx.Node) and (
+            (weight.target is operator.getitem and is_fake_quant_node(weight.args[0])) or "dequantize" in str(weight.target))
+        if user.args[0] is not value or not quantized_weight:
+            return (f"XNNPACK quantizes activations dynamically only as the input of a linear with a quantized weight; "
+                    f"this one is read by {user.name} ({user.target})")
+    return ""
+
+
+def _dynamic_linear(op: torch.fx.Node, dynamic_dqs: set) -> bool:
+    return op.target == torch.ops.aten.linear.default and op.args[0] in dynamic_dqs
+
+
 def _repeat_through_views(gm: torch.fx.GraphModule) -> None:
     """After every pass-through op reading a per-tensor dequantize, a new
     quantize / dequantize pair of the same qparams (XNNPACK wants one right
@@ -402,7 +489,8 @@ def lower_points(gm: torch.fx.GraphModule, target: str, unsupported: str) -> Qdq
     program module: ExportedProgram.module()) into q/dq for `target`;
     returns what became of each point."""
     em = _Emitter(gm)
-    points, weights = [], []  # weights: (dequantize node, index in points, fake-quantized weight)
+    # weights: (dequantize node, index in points, fake-quantized weight, plan)
+    points, weights, dynamic_dqs = [], [], set()
     for node in list(gm.graph.nodes):
         if not is_fake_quant_node(node):
             continue
@@ -418,6 +506,9 @@ def lower_points(gm: torch.fx.GraphModule, target: str, unsupported: str) -> Qdq
         used_outputs = [i for i, u in users.items() if i != 0 and u.users]
         if plan is not None and used_outputs:
             plan, reason = None, f"output {used_outputs[0]} of the op (the clamp mask) is used in the graph"
+        if plan is not None and plan.granularity == "token" and target == "xnnpack":
+            reason = _xnnpack_dynamic_users(value)
+            plan = None if reason else plan
         y = _fake_quantized(gm, node) if w is not None else None
         if plan is None and unsupported == "float" and y is not None and not used_outputs:
             with gm.graph.inserting_before(node):
@@ -435,6 +526,11 @@ def lower_points(gm: torch.fx.GraphModule, target: str, unsupported: str) -> Qdq
                 )
             points.append(point)
             continue
+        if plan.granularity == "token":
+            with gm.graph.inserting_before(node):
+                dynamic_dqs.update(_lower_dynamic(em, call.x, value, plan))
+            points.append(QdqPoint(name, module, role, _DYNAMIC_LOWERED_AS))
+            continue
         with gm.graph.inserting_before(node):
             if w is not None:
                 new, lowered_as = _lower_weight(em, call, w, y, scale, zero_point, plan)
@@ -444,20 +540,28 @@ def lower_points(gm: torch.fx.GraphModule, target: str, unsupported: str) -> Qdq
         value.replace_all_uses_with(new)
         points.append(QdqPoint(name, module, role, lowered_as))
         if w is not None:
-            weights.append((new, len(points) - 1, y))
+            weights.append((new, len(points) - 1, y, plan))
     if target == "xnnpack":
-        for dq, i, y in weights:
-            if _output_quantized(dq):
+        for dq, i, y, plan in weights:
+            if all(_dynamic_linear(op, dynamic_dqs) for op in dq.users):
+                continue  # XNNPACK's dynamically quantized linear: per-channel or per-group weights
+            if plan.granularity == "block":
+                reason = f"per-block weight qparams: xnnpack takes them only as {_XNNPACK_GROUPS}"
+            elif _output_quantized(dq):
                 continue
-            # XNNPACK quantizes a linear or conv only with its output quantized
-            # too; otherwise the weight's dequantize stays outside the delegate,
+            else:
+                reason = ("XNNPACK quantizes a linear or conv only when its output is quantized or its input "
+                          "dynamically quantized; this one's output is float")
+            if unsupported == "error" and plan.granularity == "block":
+                raise UnsupportedPointError(
+                    f"to_qdq(target={target!r}): point {points[i].describe()} cannot be lowered: {reason}. "
+                    "Pass unsupported='float' to store such weights fake-quantized in float")
+            # Otherwise the weight's dequantize stays outside the delegate,
             # where ExecuTorch has no kernel for it. The fake-quantized weight
             # in float is the same values, run by an fp32 XNNPACK op.
             with gm.graph.inserting_before(dq):
                 dq.replace_all_uses_with(em.constant(y, "fake_quantized_weight"))
-            points[i] = dataclasses.replace(
-                points[i], lowered_as="float weight (fake-quantized)",
-                reason="XNNPACK quantizes a linear or conv only when its output is quantized; this one's is float")
+            points[i] = dataclasses.replace(points[i], lowered_as="float weight (fake-quantized)", reason=reason)
     if target != "generic":
         _repeat_through_views(gm)
         _one_dequantize_per_user(gm)
@@ -512,8 +616,12 @@ def to_qdq(
     result = lower_points(gm, target, unsupported)
     if result.kept or result.in_float:
         warnings.warn(str(result), stacklevel=2)
-    # Kept points still return the packed mask: see program.py for why export is size-oblivious.
-    with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+    # Export size-oblivious as program.py does (kept points still return the packed mask, and an
+    # example of size 1 keeps its dimension dynamic), except with dynamic points lowered: there
+    # size-oblivious reasoning takes torchao's per-token ops' `block 1 != size` on a dynamic batch
+    # or sequence length as a guard that the size is not 1.
+    oblivious = not any(p.lowered_as == _DYNAMIC_LOWERED_AS for p in result.points)
+    with torch.fx.experimental._config.patch(backed_size_oblivious=oblivious):
         lowered = torch.export.export(gm, args, dynamic_shapes=dynamic_shapes)
     return (lowered, result) if summary else lowered
 

@@ -1,0 +1,112 @@
+"""An LLM decoder with dynamic per-token int8 activations (w4a8-dyn,
+w8a8-dyn) as an ExecuTorch .pte: every linear runs in XNNPACK's dynamically
+quantized linear, the file takes a dynamic batch and sequence length up to
+its declared maxima, and its logits stay within check_lowered's SQNR bound
+of the converted fake-quant model, which a wrong weight scale, group or
+zero point in the file fails."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+from benchmarks.models import LlamaDecoder
+from pt2e_fq.export import check_lowered, to_executorch
+from pt2e_fq.export.lowering import qdq
+from pt2e_fq.export.lowering.check import MIN_FLOAT_SQNR_DB
+from quantizers import FakeQuantQuantizer, presets
+from tests.export.test_export_executorch import needs_executorch
+
+# Each test lowers a decoder and runs it in ExecuTorch: 20 to 40 s of CPU apiece.
+pytestmark = [pytest.mark.slow, needs_executorch]
+
+VOCAB, MAX_BATCH, MAX_SEQ = 128, 4, 32
+DIMS = ({0: torch.export.Dim("batch", min=1, max=MAX_BATCH), 1: torch.export.Dim("seq", min=1, max=MAX_SEQ)},)
+# Width 64: two groups of 32 per row. Seven linears per layer, and the LM head.
+LINEARS_PER_LAYER = 7
+
+
+def _tokens(batch: int, seq: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _vary_group_ranges(model: torch.nn.Module) -> None:
+    """Scales each group of 32 weights of a row by its own factor (e^N(0, 0.5)):
+    a fresh linear's groups all span about the same range, so one group's
+    scale would pass for another's; a trained model's do not."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                rows, cols = m.weight.shape
+                m.weight.mul_(torch.exp(0.5 * torch.randn(rows, cols // 32, generator=g)).repeat_interleave(32, 1))
+
+
+@functools.lru_cache(maxsize=None)
+def _converted(preset: str, layers: int = 2) -> torch.fx.GraphModule:
+    """The decoder through the stock flow with the preset: export with a
+    dynamic batch and sequence length, prepare, one forward, convert."""
+    torch.manual_seed(0)
+    model = LlamaDecoder(vocab=VOCAB, dim=64, layers=layers, heads=2, max_seq=MAX_SEQ).eval()
+    _vary_group_ranges(model)
+    example = (_tokens(2, 16),)
+    prepared = prepare_pt2e(torch.export.export(model, example, dynamic_shapes=DIMS).module(),
+                            FakeQuantQuantizer(presets.get_preset(preset, target="xnnpack")))
+    prepared(*example)
+    return convert_pt2e(prepared)
+
+
+@pytest.mark.parametrize("preset", presets.DYNAMIC_ACTIVATION_PRESETS)
+def test_every_linear_is_delegated_and_the_pte_takes_dynamic_batch_and_length_within_the_bound(preset, tmp_path):
+    converted = _converted(preset)
+    result = to_executorch(converted, (_tokens(2, 16),), tmp_path / f"{preset}.pte", dynamic_shapes=DIMS)
+    linears = 2 * LINEARS_PER_LAYER + 1
+    assert result.delegated_linears == linears, str(result)
+    # Each linear's input: torchao's per-token choose_qparams / quantize / dequantize, in the delegate.
+    assert result.delegated.get("torchao_choose_qparams_affine_default") == linears, result.delegated
+    assert not any("quantize" in op or "linear" in op for op in result.outside), result.outside
+    # What stays outside (embedding, RMSNorm's mean, the causal mask...) has one line each, with a reason.
+    lines = result.why_outside().splitlines()
+    assert len(lines) == len(result.outside_nodes) > 0
+    assert all(reason for _, _, reason in result.outside_nodes)
+    assert any("embedding" in line for line in lines), lines
+    for batch in (1, MAX_BATCH):
+        for seq in (1, 7, MAX_SEQ):
+            check = check_lowered(result.path, converted, (_tokens(batch, seq, seed=seq),))
+            assert check.ok, f"batch {batch}, sequence {seq}:\n{check}"
+            assert check.outputs[0].sqnr_db >= MIN_FLOAT_SQNR_DB
+
+
+def _off_scale(stem, t):
+    return t * 1.25 if stem == "scale" else t
+
+
+def _swapped_groups(stem, t):
+    # Each row's two groups exchange scales: the codes of group 0 read group 1's scale.
+    return t.flip(1) if stem == "scale" else t
+
+
+def _off_zero_point(stem, t):
+    # Codes one step off: as if stored against a zero point one away from the dequantize's.
+    return (t + 1).clamp(-8, 7) if stem == "weight" else t
+
+
+def _unchanged(stem, t):
+    return t
+
+
+@pytest.mark.parametrize("mutate", [_unchanged, _off_scale, _swapped_groups, _off_zero_point])
+def test_a_wrong_scale_group_or_zero_point_fails_the_bound(mutate, tmp_path, monkeypatch):
+    converted = _converted("w4a8-dyn", layers=1)
+    x = _tokens(2, 9, seed=3)
+    # The lowering writes each weight's codes, scales and zero points through _Emitter.constant.
+    constant = qdq._Emitter.constant
+    monkeypatch.setattr(qdq._Emitter, "constant", lambda self, t, stem: constant(self, mutate(stem, t), stem))
+    check = check_lowered(to_executorch(converted, x, tmp_path / "m.pte").path, converted, x)
+    if mutate is _unchanged:
+        assert check.ok, str(check)
+    else:
+        assert not check.ok and check.outputs[0].sqnr_db < MIN_FLOAT_SQNR_DB, str(check)
