@@ -140,6 +140,31 @@ def new_run(mode, model):
     return Run(torch.compile(model) if mode == "compiled" else model, optimizer)
 
 
+def time_flows(flows, modes, x, target, loss_fn, steps, device):
+    """Times one training step of every flow (a model, or the reason it
+    could not be prepared) in every mode, interleaved. Returns the runs and
+    the failures by (flow, mode), and the median step ms by (flow, mode)."""
+    runs, failed = {}, {}
+    for flow, prepared in flows.items():
+        for mode in modes:
+            if isinstance(prepared, str):
+                failed[flow, mode] = prepared
+                continue
+            run = new_run(mode, prepared)
+            graphs = counters["stats"]["unique_graphs"]
+            try:
+                run.step(x, target, loss_fn)  # compiles a compiled run, outside the timing
+            except Exception as e:
+                failed[flow, mode] = reason(e)
+                continue
+            if mode == "compiled":
+                run.graphs = str(counters["stats"]["unique_graphs"] - graphs)
+            runs[flow, mode] = run
+    ms = dict(zip(runs, median_ms([lambda r=r: r.step(x, target, loss_fn) for r in runs.values()], steps, device,
+                                  WARMUP)))
+    return runs, failed, ms
+
+
 def measure(name, model, x, target, loss_fn, *, device, dtype, modes, steps):
     """Rows of the table for one model: every flow in every mode, timed
     interleaved; a flow that fails to prepare or to compile shows why. Also
@@ -164,24 +189,7 @@ def measure(name, model, x, target, loss_fn, *, device, dtype, modes, steps):
     # by every instance, would otherwise reach the recompile limit on one model
     # and run eager on the next.
     torch._dynamo.reset()
-    runs, failed = {}, {}
-    for flow, prepared in flows.items():
-        for mode in modes:
-            if isinstance(prepared, str):
-                failed[flow, mode] = prepared
-                continue
-            run = new_run(mode, prepared)
-            graphs = counters["stats"]["unique_graphs"]
-            try:
-                run.step(x, target, loss_fn)  # compiles a compiled run, outside the timing
-            except Exception as e:
-                failed[flow, mode] = reason(e)
-                continue
-            if mode == "compiled":
-                run.graphs = str(counters["stats"]["unique_graphs"] - graphs)
-            runs[flow, mode] = run
-    ms = dict(zip(runs, median_ms([lambda r=r: r.step(x, target, loss_fn) for r in runs.values()], steps, device,
-                                  WARMUP)))
+    runs, failed, ms = time_flows(flows, modes, x, target, loss_fn, steps, device)
     rows = []
     for mode in modes:
         for flow in flows:

@@ -25,10 +25,9 @@ import copy
 
 import torch
 # bench_qat first (through bench_ops it imports pt2e_fq before torchao); benchmarks/ is on sys.path.
-from bench_qat import WARMUP, _to, cases, new_run
-from bench_ops import median_ms, reason
+from bench_qat import _to, cases, time_flows
+from bench_ops import reason
 from tabulate import tabulate
-from torch._dynamo.utils import counters
 
 import torchao
 from torchao.quantization import Int8DynamicActivationIntxWeightConfig, MappingType, PerGroup, quantize_
@@ -60,24 +59,7 @@ def measure(name, model, x, target, loss_fn, *, device, modes, steps):
         except Exception as e:
             flows[flow] = reason(e)
     torch._dynamo.reset()
-    runs, failed = {}, {}
-    for flow, prepared in flows.items():
-        for mode in modes:
-            if isinstance(prepared, str):
-                failed[flow, mode] = prepared
-                continue
-            run = new_run(mode, prepared)
-            graphs = counters["stats"]["unique_graphs"]
-            try:
-                run.step(x, target, loss_fn)  # compiles a compiled run, outside the timing
-            except Exception as e:
-                failed[flow, mode] = reason(e)
-                continue
-            if mode == "compiled":
-                run.graphs = str(counters["stats"]["unique_graphs"] - graphs)
-            runs[flow, mode] = run
-    ms = dict(zip(runs, median_ms([lambda r=r: r.step(x, target, loss_fn) for r in runs.values()], steps, device,
-                                  WARMUP)))
+    runs, failed, ms = time_flows(flows, modes, x, target, loss_fn, steps, device)
     rows = []
     for mode in modes:
         for flow in flows:

@@ -206,3 +206,17 @@ class LlamaDecoder(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.lm_head(self.norm(x))
+
+
+def vary_group_ranges(model: nn.Module, group: int = 32, seed: int = 1) -> nn.Module:
+    """Scales each group of `group` weights along a row of every linear by
+    its own factor (e^N(0, 0.5)): a fresh linear's groups all span about the
+    same range, so one group's scale would pass for another's; a trained
+    model's do not. Changes and returns `model`."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.Linear):
+                rows, cols = m.weight.shape
+                m.weight.mul_(torch.exp(0.5 * torch.randn(rows, cols // group, generator=g)).repeat_interleave(group, 1))
+    return model

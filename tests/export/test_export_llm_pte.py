@@ -13,7 +13,7 @@ import pytest
 import torch
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-from benchmarks.models import LlamaDecoder
+from benchmarks.models import LlamaDecoder, vary_group_ranges
 from pt2e_fq.export import check_lowered, to_executorch
 from pt2e_fq.export.lowering import qdq
 from pt2e_fq.export.lowering.check import MIN_FLOAT_SQNR_DB
@@ -33,25 +33,13 @@ def _tokens(batch: int, seq: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
-def _vary_group_ranges(model: torch.nn.Module) -> None:
-    """Scales each group of 32 weights of a row by its own factor (e^N(0, 0.5)):
-    a fresh linear's groups all span about the same range, so one group's
-    scale would pass for another's; a trained model's do not."""
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, torch.nn.Linear):
-                rows, cols = m.weight.shape
-                m.weight.mul_(torch.exp(0.5 * torch.randn(rows, cols // 32, generator=g)).repeat_interleave(32, 1))
-
-
 @functools.lru_cache(maxsize=None)
 def _converted(preset: str, layers: int = 2) -> torch.fx.GraphModule:
     """The decoder through the stock flow with the preset: export with a
     dynamic batch and sequence length, prepare, one forward, convert."""
     torch.manual_seed(0)
     model = LlamaDecoder(vocab=VOCAB, dim=64, layers=layers, heads=2, max_seq=MAX_SEQ).eval()
-    _vary_group_ranges(model)
+    vary_group_ranges(model)
     example = (_tokens(2, 16),)
     prepared = prepare_pt2e(torch.export.export(model, example, dynamic_shapes=DIMS).module(),
                             FakeQuantQuantizer(presets.get_preset(preset, target="xnnpack")))
