@@ -262,9 +262,11 @@ def _op_configs(config: QuantizerConfig):
             yield section, key, op_config
 
 
-# Presets whose every point is of an integer format: those learned ranges apply to (learnable_ranges).
+# Presets whose every point is of an integer format and whose activations are static: those learned
+# ranges apply to (learnable_ranges). The dynamic-activation presets' activation qparams come from each
+# input, and their lowering to XNNPACK has been checked with observed weight scales only.
 LEARNABLE_PRESETS = tuple(name for name, config in PRESETS.items()
-                          if all(kind_of(spec.format) is INTEGER for _, _, c in _op_configs(config) if c is not None
+                          if name not in DYNAMIC_ACTIVATION_PRESETS and all(kind_of(spec.format) is INTEGER for _, _, c in _op_configs(config) if c is not None
                                  for spec in (c.input_activation, c.weight, c.bias, c.output_activation) if spec))
 
 
@@ -337,6 +339,9 @@ def get_preset(name: str, target: str = "generic", *, qat: bool = False, learnab
         raise ValueError(f"get_preset: unknown preset {name!r}; allowed: {', '.join(PRESETS)}")
     if not isinstance(learnable, bool):
         raise TypeError(f"get_preset: learnable must be a bool, got {learnable!r}")
+    if learnable and name in DYNAMIC_ACTIVATION_PRESETS:
+        raise ValueError(f"get_preset: learnable=True: preset {name!r} computes its activation qparams from each "
+                         f"input (dynamic), and learned ranges need static ones; allowed: {', '.join(LEARNABLE_PRESETS)}")
     if learnable and name not in LEARNABLE_PRESETS:
         raise ValueError(f"get_preset: learnable=True: preset {name!r} has float-format points, and learned ranges "
                          f"(LSQ) need integer ones; allowed: {', '.join(LEARNABLE_PRESETS)}")

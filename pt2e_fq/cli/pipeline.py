@@ -138,11 +138,14 @@ def prepare(
     prepare_pt2e or prepare_qat_pt2e. A preset name takes the preset's QAT
     form for QAT (presets.get_preset)."""
     quantizer = quantizer_for(config, qat=qat)
-    was_training = model.training
+    # Each submodule's own mode comes back (a wrapper in train mode around a model in eval
+    # mode, as a user may build, keeps its inner model in eval mode).
+    modes = [(m, m.training) for m in model.modules()]
     try:
         gm = export(model.train(qat), example_inputs, dynamic_batch=dynamic_batch)
     finally:
-        model.train(was_training)
+        for m, training in modes:
+            m.training = training
     if not qat:
         return prepare_pt2e(gm, quantizer)
     prepared = prepare_qat_pt2e(gm, quantizer)

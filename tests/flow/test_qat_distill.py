@@ -123,6 +123,8 @@ def test_learnable_presets_and_their_errors():
     with pytest.raises(ValueError, match="learnable=True: preset 'nvfp4' has float-format points") as e:
         presets.get_preset("nvfp4", learnable=True)
     assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="learnable=True: preset 'w4a8-dyn' computes its activation qparams"):
+        presets.get_preset("w4a8-dyn", learnable=True)
     with pytest.raises(TypeError, match="learnable must be a bool"):
         presets.get_preset("w4a8", learnable="yes")
 
