@@ -28,6 +28,7 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT16_MIN, _INT16_MAX = -(2**15), 2**15 - 1
 AFFINE_OBSERVE_OP = "pt2e_fq.fake_quantize_affine_observe"
 FLOAT_OBSERVE_OP = "pt2e_fq.fake_quantize_float_observe"
+BLOCK_HISTOGRAM_OP = "pt2e_fq.block_histogram"
 OBSERVE_SCHEMES = ("symmetric", "symmetric_no_clip", "asymmetric", "minval")
 
 
@@ -229,3 +230,17 @@ def _check_float_observe_args(x, block_size, min_val, max_val, scale, nonfinite,
     _check_observe_args(FLOAT_OBSERVE_OP, x, block_size, min_val, max_val, scale, nonfinite, averaging_constant)
     if fmt not in ELEMENTS:
         raise ValueError(f"{FLOAT_OBSERVE_OP}: fmt must be one of {', '.join(map(repr, ELEMENTS))}, got {fmt!r}")
+
+
+def _check_histogram_args(x, block_size, lo, hi, bins) -> None:
+    op = BLOCK_HISTOGRAM_OP
+    _check_x(op, x)
+    check_block_size(op, x, block_size)
+    expected = reduced_shape(x.shape, block_size)
+    for name, t in (("lo", lo), ("hi", hi)):
+        check_qparam(op, name, t, x, expected)
+        if t.dtype != torch.float32:
+            raise TypeError(f"{op}: {name} must be a torch.float32 tensor (the running range), got {t.dtype}")
+    _check_int(op, "bins", bins)
+    if bins < 1:
+        raise ValueError(f"{op}: bins must be >= 1, got {bins}")

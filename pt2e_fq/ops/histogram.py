@@ -1,0 +1,42 @@
+"""The histogram operator of HistogramObserver: a batch's per-block bin
+counts in one pass over x (`block_histogram`). CPU only; on other devices
+the observer bins with ATen ops (observers.py, HistogramObserver._count,
+which is also the op's reference)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ._checks import _call, _check_histogram_args
+
+
+def block_histogram(
+    x: torch.Tensor, block_size: Sequence[int], lo: torch.Tensor, hi: torch.Tensor, bins: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block of `block_size`, the count of x's finite values in each of
+    `bins` equal bins over [lo, hi].
+
+    A value v of a block is in bin floor((v - lo) / (hi - lo) * bins),
+    computed in float64 (exact differences, so a range as wide as fp32's
+    bins as any other); v = hi is in the last bin, every value of a
+    one-point range in bin 0, values outside the range in the end bins; a
+    block with an empty range (lo > hi, one that saw no finite value)
+    counts nothing. NaN and +-Inf are in no bin.
+
+    Args:
+        x: float32, bfloat16 or float16 on the CPU.
+        block_size: one entry per dimension of x.
+        lo, hi: float32, shape ceil(x.shape / block_size): each block's range.
+        bins: bins per block, >= 1.
+
+    Returns:
+        (counts, nonfinite): float64 counts of shape ceil(x.shape / block_size)
+        + (bins,), and the number of NaN / Inf values of x (0-dim int64).
+
+    Raises:
+        TypeError, ValueError: an argument of the wrong type, dtype, shape or value.
+    """
+    return _call(torch.ops.pt2e_fq.block_histogram.default, _check_histogram_args, block_size, (bins,),
+                 x, block_size, lo, hi, bins)
