@@ -24,7 +24,7 @@ from typing import Callable, ClassVar, Optional, Sequence
 import torch
 
 from .ops.blocks import block_min_max, blocked, reduce_blocks
-from .ops.histogram import block_histogram
+from .ops.histogram import block_finite_range, block_histogram
 
 Range = tuple[torch.Tensor, torch.Tensor]
 # (lo, hi) -> x fake-quantized with the qparams of that range.
@@ -97,10 +97,15 @@ class RangeObserver(Observer):
         if x.numel() == 0 and running is not None:
             batch = torch.full_like(running[0], math.inf), torch.full_like(running[1], -math.inf)
         else:
-            batch = block_min_max(x, block_size)
+            batch = self.batch_range(x, block_size)
         if reduce_range is not None:
             batch = reduce_range(*batch)
         return batch if running is None else self.update(running, batch)
+
+    def batch_range(self, x: torch.Tensor, block_size: Sequence[int]) -> Range:
+        """The fp32 min / max of each block's finite values (ops/blocks.py:
+        block_min_max)."""
+        return block_min_max(x, block_size)
 
     def update(self, running: Range, batch: Range) -> Range:
         raise NotImplementedError
@@ -279,6 +284,13 @@ class HistogramObserver(RangeObserver):
         _check_fraction(self, "min_fraction")
 
     update = MinMaxObserver.update  # the running range is MinMax's
+
+    def batch_range(self, x, block_size):
+        """block_min_max, on the CPU in one compiled pass (the same values:
+        a minimum and a maximum do not round)."""
+        if x.device.type == "cpu":
+            return block_finite_range(x, block_size)
+        return block_min_max(x, block_size)
 
     def _bin_of(self, values: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
         """The bin of each value in [lo, hi] (broadcast), in float64, clamped

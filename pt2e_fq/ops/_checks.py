@@ -29,6 +29,9 @@ _INT16_MIN, _INT16_MAX = -(2**15), 2**15 - 1
 AFFINE_OBSERVE_OP = "pt2e_fq.fake_quantize_affine_observe"
 FLOAT_OBSERVE_OP = "pt2e_fq.fake_quantize_float_observe"
 BLOCK_HISTOGRAM_OP = "pt2e_fq.block_histogram"
+FINITE_RANGE_OP = "pt2e_fq.block_finite_range"
+# block_histogram's most bins (bin indices are int32 in the kernel: csrc/common/histogram_args.h).
+MAX_OP_BINS = 1 << 24
 OBSERVE_SCHEMES = ("symmetric", "symmetric_no_clip", "asymmetric", "minval")
 
 
@@ -242,5 +245,10 @@ def _check_histogram_args(x, block_size, lo, hi, bins) -> None:
         if t.dtype != torch.float32:
             raise TypeError(f"{op}: {name} must be a torch.float32 tensor (the running range), got {t.dtype}")
     _check_int(op, "bins", bins)
-    if bins < 1:
-        raise ValueError(f"{op}: bins must be >= 1, got {bins}")
+    if not 1 <= bins <= MAX_OP_BINS:
+        raise ValueError(f"{op}: bins must be in [1, {MAX_OP_BINS}], got {bins}")
+
+
+def _check_finite_range_args(x, block_size) -> None:
+    _check_x(FINITE_RANGE_OP, x)
+    check_block_size(FINITE_RANGE_OP, x, block_size)

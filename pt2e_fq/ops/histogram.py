@@ -1,7 +1,8 @@
-"""The histogram operator of HistogramObserver: a batch's per-block bin
-counts in one pass over x (`block_histogram`). CPU only; on other devices
-the observer bins with ATen ops (observers.py, HistogramObserver._count,
-which is also the op's reference)."""
+"""HistogramObserver's passes over a batch as compiled operators: each
+block's finite range (`block_finite_range`) and its bin counts
+(`block_histogram`), one pass over x each. CPU only; on other devices the
+observer computes them with ATen ops (ops/blocks.py block_min_max,
+observers.py HistogramObserver._count), which are also the ops' reference."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from ._checks import _call, _check_histogram_args
+from ._checks import _call, _check_finite_range_args, _check_histogram_args
 
 
 def block_histogram(
@@ -40,3 +41,21 @@ def block_histogram(
     """
     return _call(torch.ops.pt2e_fq.block_histogram.default, _check_histogram_args, block_size, (bins,),
                  x, block_size, lo, hi, bins)
+
+
+def block_finite_range(x: torch.Tensor, block_size: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block of `block_size`, the min and max of x's finite values.
+
+    Args:
+        x: float32, bfloat16 or float16 on the CPU.
+        block_size: one entry per dimension of x.
+
+    Returns:
+        (lo, hi): float32 of shape ceil(x.shape / block_size); (+inf, -inf)
+        for a block with no finite value.
+
+    Raises:
+        TypeError, ValueError: an argument of the wrong type, dtype or shape.
+    """
+    return _call(torch.ops.pt2e_fq.block_finite_range.default, _check_finite_range_args, block_size, (),
+                 x, block_size)

@@ -18,9 +18,10 @@ import pt2e_fq as q
 from pt2e_fq import observers
 from pt2e_fq.fake_quantize import FakeQuantize
 from pt2e_fq.ops.blocks import block_min_max, expand_blocks, reduced_shape
-from pt2e_fq.ops.histogram import block_histogram
+from pt2e_fq.ops.histogram import block_finite_range, block_histogram
 
 OP = torch.ops.pt2e_fq.block_histogram.default
+RANGE_OP = torch.ops.pt2e_fq.block_finite_range.default
 
 
 def aten_binning(x, block_size, lo, hi, bins):
@@ -54,6 +55,10 @@ def cases(draw):
     pick = torch.rand(shape, generator=g)
     nonfinite = torch.tensor([math.nan, math.inf, -math.inf])[torch.randint(0, 3, shape, generator=g)].to(dtype)
     x = torch.where(pick < specials, nonfinite, x)
+    if draw(st.integers(0, 3)) == 0:  # integers over [0, w]: many values whose exact position is a bin edge
+        w = draw(st.integers(1, 1000))
+        x = torch.where(torch.isfinite(x), torch.randint(0, w + 1, shape, generator=g).to(dtype), x)
+        x.view(-1)[0], x.view(-1)[-1] = 0.0, float(w)
     lo, hi = block_min_max(x, block)
     widen = draw(st.sampled_from(["none", "edges", "wider"]))
     if widen == "wider":  # the running range of a wider earlier batch
@@ -75,12 +80,29 @@ def cases(draw):
 @given(case=cases())
 def test_the_compiled_binning_is_the_aten_float64_binning_bit_for_bit(case):
     x, block, lo, hi, bins = case
+    # The range pass too: block_min_max's values (a minimum and a maximum do not round).
+    assert all(torch.equal(a, b) for a, b in zip(block_finite_range(x, block), block_min_max(x, block)))
     counts, nonfinite = block_histogram(x, block, lo, hi, bins)
     ref_counts, ref_nonfinite = aten_binning(x, block, lo, hi, bins)
     assert counts.dtype == torch.float64 and counts.shape == (*reduced_shape(x.shape, block), bins)
     assert torch.equal(counts, ref_counts)
     assert nonfinite.dtype == torch.int64 and nonfinite.shape == ()
     assert nonfinite.item() == ref_nonfinite.item() == (~torch.isfinite(x)).sum().item()
+
+
+@pytest.mark.parametrize("bins", [3, 7, 10, 100, 2048])
+def test_every_integer_of_integer_ranges_bins_as_the_aten_binning(bins):
+    # Row w holds 0, 1, ..., w over the range [0, w] (NaN after): (v - lo) / width * bins
+    # is often an exact integer here, where a reciprocal or a fused multiply would
+    # round to the bin below.
+    n = 300
+    v = torch.arange(n + 1, dtype=torch.float32).expand(n, -1)
+    w = torch.arange(1, n + 1, dtype=torch.float32).unsqueeze(1)
+    x = torch.where(v <= w, v, math.nan)
+    lo, hi = torch.zeros(n, 1), w
+    counts, nonfinite = block_histogram(x, (1, n + 1), lo, hi, bins)
+    ref_counts, ref_nonfinite = aten_binning(x, (1, n + 1), lo, hi, bins)
+    assert torch.equal(counts, ref_counts) and nonfinite.item() == ref_nonfinite.item()
 
 
 def test_counts_by_hand_and_the_end_bins():
@@ -116,12 +138,13 @@ def test_opcheck():
     x = torch.randn(4, 6)
     lo, hi = block_min_max(x, (1, 6))
     torch.library.opcheck(OP, (x, [1, 6], lo, hi, 16))
+    torch.library.opcheck(RANGE_OP, (x, [1, 6]))
 
 
 @pytest.mark.parametrize("args, error, message", [
     (dict(lo=torch.zeros(4, 1, dtype=torch.float64)), TypeError, "lo must be a torch.float32 tensor"),
     (dict(hi=torch.zeros(3)), ValueError, r"hi must have shape \(4, 1\)"),
-    (dict(bins=0), ValueError, "bins must be >= 1, got 0"),
+    (dict(bins=0), ValueError, r"bins must be in \[1, 16777216\], got 0"),
     (dict(block_size=[1]), ValueError, "block_size"),
 ])
 def test_bad_arguments_are_named(args, error, message):
@@ -133,8 +156,15 @@ def test_bad_arguments_are_named(args, error, message):
         OP(*call.values())
 
 
+def test_bad_arguments_of_the_range_pass_are_named():
+    with pytest.raises(TypeError, match="pt2e_fq.block_finite_range: x must be float32, bfloat16 or float16"):
+        block_finite_range(torch.zeros(3, dtype=torch.int32), [3])
+    with pytest.raises(ValueError, match="pt2e_fq.block_finite_range: block_size"):
+        block_finite_range(torch.zeros(3), [3, 1])
+
+
 @pytest.mark.parametrize("granularity", [q.PerTensor(), q.PerChannel(1)])
-def test_a_module_calibrates_the_same_on_the_compiled_and_the_aten_binning(granularity, monkeypatch):
+def test_a_module_calibrates_the_same_on_the_compiled_and_the_aten_passes(granularity, monkeypatch):
     # Batches that widen the range (each re-bins the histogram), with NaN and Inf.
     g = torch.Generator().manual_seed(7)
     batches = [torch.randn(16, 3, 10, generator=g) * s + m for s, m in ((1, 0), (4, 1), (0.5, -2), (9, 3))]
@@ -148,6 +178,7 @@ def test_a_module_calibrates_the_same_on_the_compiled_and_the_aten_binning(granu
 
     compiled, compiled_out = calibrate()
     monkeypatch.setattr(observers, "block_histogram", aten_binning)
+    monkeypatch.setattr(observers, "block_finite_range", block_min_max)
     aten, aten_out = calibrate()
     for name in ("histogram", "min_val", "max_val", "scale", "zero_point"):
         assert torch.equal(getattr(compiled, name), getattr(aten, name)), name

@@ -15,7 +15,8 @@ HistogramInputs check_histogram_args(const char* op, const at::Tensor& x,
     TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, op, ": ", name,
                      " must be a torch.float32 tensor (the running range), got ", t.scalar_type());
   }
-  TORCH_CHECK_VALUE(bins >= 1, op, ": bins must be >= 1, got ", bins);
+  TORCH_CHECK_VALUE(bins >= 1 && bins <= kMaxHistogramBins, op, ": bins must be in [1, ",
+                    kMaxHistogramBins, "], got ", bins);
   in.x = x.contiguous();
   in.lo = lo.contiguous();
   in.hi = hi.contiguous();

@@ -11,6 +11,9 @@
 
 namespace pt2e_fq {
 
+// The most bins per block (bin indices are int32).
+constexpr int64_t kMaxHistogramBins = int64_t{1} << 24;
+
 // The checked inputs of block_histogram: contiguous x, its block layout, the
 // per-block range as contiguous fp32, and the counts' shape
 // (ceil(x.shape / block_size) + (bins,)).
@@ -22,7 +25,8 @@ struct HistogramInputs {
 };
 
 // Checks x, block_size, lo and hi (fp32 on x's device, shape
-// ceil(x.shape / block_size), size-1 dimensions optional) and bins (>= 1).
+// ceil(x.shape / block_size), size-1 dimensions optional) and bins (in
+// [1, kMaxHistogramBins]).
 HistogramInputs check_histogram_args(const char* op, const at::Tensor& x,
                                      at::IntArrayRef block_size, const at::Tensor& lo,
                                      const at::Tensor& hi, int64_t bins);

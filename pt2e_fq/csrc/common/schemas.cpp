@@ -71,6 +71,9 @@ TORCH_LIBRARY(pt2e_fq, m) {
   m.def(
       "block_histogram(Tensor x, SymInt[] block_size, Tensor lo, Tensor hi, int bins) "
       "-> (Tensor, Tensor)");
+  // Its range pass: per block, the fp32 min and max of x's finite values
+  // ((+inf, -inf) for a block with none). CPU only, as block_histogram.
+  m.def("block_finite_range(Tensor x, SymInt[] block_size) -> (Tensor, Tensor)");
 
   // The float-format ops (FP8, FP4, MX, NVFP4). Element formats are named by
   // strings ("e4m3", "e5m2", "e2m1") rather than ScalarType:

@@ -1,5 +1,6 @@
-// CPU implementation of pt2e_fq::block_histogram: HistogramObserver's binning
-// of a batch in one pass over x, each value's bin computed in float64 with
+// CPU implementations of HistogramObserver's passes over a batch:
+// pt2e_fq::block_finite_range (each block's finite min / max, batch_range.h)
+// and pt2e_fq::block_histogram, its binning in one pass over x, each value's bin computed in float64 with
 // the operations, in the order, of the ATen reference (observers.py,
 // HistogramObserver._count): (v - lo) / width * bins, each rounded once, so
 // the counts are that reference's bit for bit.
@@ -12,6 +13,8 @@
 #include <limits>
 #include <vector>
 
+#include "affine_args.h"
+#include "batch_range.h"
 #include "cpu_loops.h"
 #include "histogram_args.h"
 #include "op_names.h"
@@ -23,25 +26,46 @@ namespace {
 // with many blocks, fewer threads, down to one.
 constexpr int64_t kMaxScratchCounts = int64_t{1} << 22;
 
-// Bins x[0, n), the elements of one block, over the range from lo of width w
-// (> 0) into counts[0, bins) and returns how many were NaN or +-Inf.
+// Elements per pass of bin_piece: its bin indices fit in a stack buffer.
+constexpr int64_t kBinSpan = 1024;
+
+// The bin of each of x[0, n) (n <= kBinSpan), the elements of one block, over
+// the range from lo of width w (> 0), in idx; `bins` (one past the last bin)
+// for a NaN or +-Inf, and for every value of an empty range (lo = +inf).
+// Returns how many values were NaN or +-Inf. Branch-free, so it vectorises
+// (the float64 division is most of the work).
 template <typename T>
-int64_t bin_piece(const T* __restrict__ x, int64_t n, double lo, double w, int64_t bins,
-                  int64_t* __restrict__ counts) {
+PT2E_FQ_CLONES int64_t bin_indices(const T* __restrict__ x, int64_t n, double lo, double w,
+                                   int32_t bins, int32_t* __restrict__ idx) {
   const double nb = static_cast<double>(bins), last = nb - 1.0;
   constexpr double kMax = std::numeric_limits<double>::max();
   int64_t bad = 0;
   for (int64_t i = 0; i < n; ++i) {
     const float v = load_f32(x[i]);
-    if (!(std::fabs(v) <= std::numeric_limits<float>::max())) {
-      ++bad;
-      continue;
-    }
+    bad += !(std::fabs(v) <= std::numeric_limits<float>::max());
     const double p = (static_cast<double>(v) - lo) / w * nb;
-    if (!(std::fabs(p) <= kMax)) continue;  // an empty range (lo = +inf): nothing is binned
+    const bool finite = std::fabs(p) <= kMax;
     // p >= 0 for v >= lo, so truncation is floor; the clamps put v = hi
     // (p = bins) in the last bin and values outside the range at the ends.
-    ++counts[static_cast<int64_t>(std::min(std::max(p, 0.0), last))];
+    double c = p > 0.0 ? p : 0.0;
+    c = c < last ? c : last;
+    c = finite ? c : 0.0;
+    idx[i] = finite ? static_cast<int32_t>(c) : bins;
+  }
+  return bad;
+}
+
+// Bins x[0, n), the elements of one block (see bin_indices), into
+// counts[0, bins] (counts[bins]: the values in no bin) and returns how many
+// were NaN or +-Inf.
+template <typename T>
+int64_t bin_piece(const T* x, int64_t n, double lo, double w, int32_t bins, int64_t* counts) {
+  alignas(64) int32_t idx[kBinSpan];
+  int64_t bad = 0;
+  for (int64_t s = 0; s < n; s += kBinSpan) {
+    const int64_t m = std::min(kBinSpan, n - s);
+    bad += bin_indices(x + s, m, lo, w, bins, idx);
+    for (int64_t i = 0; i < m; ++i) ++counts[idx[i]];
   }
   return bad;
 }
@@ -66,22 +90,23 @@ std::tuple<at::Tensor, at::Tensor> block_histogram_cpu(const at::Tensor& x,
   }
   // Threads count disjoint slices of x into histograms of their own, summed
   // after (integer counts: the order does not matter).
-  const int64_t per_slice = std::max<int64_t>(1, nblocks * bins);
+  // Each block's scratch counters: its bins and one for the values in none.
+  const int64_t stride = bins + 1, per_slice = std::max<int64_t>(1, nblocks * stride);
   const int64_t nslices = std::max<int64_t>(
       1, std::min({static_cast<int64_t>(at::get_num_threads()), numel / (4 * kChunk),
                    kMaxScratchCounts / per_slice}));
-  std::vector<int64_t> counts(nslices * nblocks * bins, 0), bad(nslices, 0);
+  std::vector<int64_t> counts(nslices * nblocks * stride, 0), bad(nslices, 0);
   dispatch_float_dtype(in.x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     const T* xp = in.x.data_ptr<T>();
     at::parallel_for(0, nslices, 1, [&](int64_t s0, int64_t s1) {
       for (int64_t s = s0; s < s1; ++s) {
-        int64_t* c = counts.data() + s * nblocks * bins;
+        int64_t* c = counts.data() + s * nblocks * stride;
         for_each_row_run(in.layout, numel * s / nslices, numel * (s + 1) / nslices,
                          [&](const QparamRun& run) {
                            for_each_block_piece(run, [&](int64_t k, int64_t m, int64_t b) {
-                             bad[s] += bin_piece(xp + run.i + k, m, lo_d[b], w_d[b], bins,
-                                                 c + b * bins);
+                             bad[s] += bin_piece(xp + run.i + k, m, lo_d[b], w_d[b],
+                                                 static_cast<int32_t>(bins), c + b * stride);
                            });
                          });
       }
@@ -91,16 +116,35 @@ std::tuple<at::Tensor, at::Tensor> block_histogram_cpu(const at::Tensor& x,
   double* o = out.data_ptr<double>();
   int64_t nonfinite = 0;
   for (int64_t s = 0; s < nslices; ++s) nonfinite += bad[s];
-  for (int64_t j = 0; j < nblocks * bins; ++j) {
-    int64_t total = counts[j];
-    for (int64_t s = 1; s < nslices; ++s) total += counts[s * nblocks * bins + j];
-    o[j] = static_cast<double>(total);
+  for (int64_t b = 0; b < nblocks; ++b) {
+    for (int64_t j = 0; j < bins; ++j) {
+      int64_t total = 0;
+      for (int64_t s = 0; s < nslices; ++s) total += counts[(s * nblocks + b) * stride + j];
+      o[b * bins + j] = static_cast<double>(total);
+    }
   }
   return {out, at::scalar_tensor(nonfinite, x.options().dtype(at::kLong))};
 }
 
+std::tuple<at::Tensor, at::Tensor> block_finite_range_cpu(const at::Tensor& x,
+                                                         at::IntArrayRef block_size) {
+  const BlockLayout layout = check_x_and_block_size(op_names::kBlockFiniteRange, x, block_size);
+  const std::vector<int64_t> shape = reduced_shape(x.sizes(), block_size);
+  at::Tensor lo = at::empty(shape, x.options().dtype(at::kFloat));
+  at::Tensor hi = at::empty(shape, x.options().dtype(at::kFloat));
+  std::vector<float> l, h;
+  int64_t bad = 0;
+  batch_range(x.contiguous(), layout, lo.numel(), l, h, bad);
+  std::copy_n(l.data(), lo.numel(), lo.data_ptr<float>());
+  std::copy_n(h.data(), hi.numel(), hi.data_ptr<float>());
+  return {lo, hi};
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(pt2e_fq, CPU, m) { m.impl("block_histogram", &block_histogram_cpu); }
+TORCH_LIBRARY_IMPL(pt2e_fq, CPU, m) {
+  m.impl("block_histogram", &block_histogram_cpu);
+  m.impl("block_finite_range", &block_finite_range_cpu);
+}
 
 }  // namespace pt2e_fq::cpu
