@@ -97,12 +97,12 @@ class RangeObserver(Observer):
         if x.numel() == 0 and running is not None:
             batch = torch.full_like(running[0], math.inf), torch.full_like(running[1], -math.inf)
         else:
-            batch = self.batch_range(x, block_size)
+            batch = self._batch_range(x, block_size)
         if reduce_range is not None:
             batch = reduce_range(*batch)
         return batch if running is None else self.update(running, batch)
 
-    def batch_range(self, x: torch.Tensor, block_size: Sequence[int]) -> Range:
+    def _batch_range(self, x: torch.Tensor, block_size: Sequence[int]) -> Range:
         """The fp32 min / max of each block's finite values (ops/blocks.py:
         block_min_max)."""
         return block_min_max(x, block_size)
@@ -285,7 +285,7 @@ class HistogramObserver(RangeObserver):
 
     update = MinMaxObserver.update  # the running range is MinMax's
 
-    def batch_range(self, x, block_size):
+    def _batch_range(self, x, block_size):
         """block_min_max, on the CPU in one compiled pass (the same values:
         a minimum and a maximum do not round)."""
         if x.device.type == "cpu":
