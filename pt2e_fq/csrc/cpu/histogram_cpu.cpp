@@ -1,9 +1,9 @@
 // CPU implementations of HistogramObserver's passes over a batch:
 // pt2e_fq::block_finite_range (each block's finite min / max, batch_range.h)
-// and pt2e_fq::block_histogram, its binning in one pass over x, each value's bin computed in float64 with
-// the operations, in the order, of the ATen reference (observers.py,
-// HistogramObserver._count): (v - lo) / width * bins, each rounded once, so
-// the counts are that reference's bit for bit.
+// and pt2e_fq::block_histogram, its binning in one pass over x, each value's
+// bin computed in float64 with the operations, in the order, of the ATen
+// reference (observers.py, HistogramObserver._count): (v - lo) / width *
+// bins, each rounded once, so the counts are that reference's bit for bit.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -89,8 +89,8 @@ std::tuple<at::Tensor, at::Tensor> block_histogram_cpu(const at::Tensor& x,
     w_d[b] = w > 0.0 ? w : 1.0;
   }
   // Threads count disjoint slices of x into histograms of their own, summed
-  // after (integer counts: the order does not matter).
-  // Each block's scratch counters: its bins and one for the values in none.
+  // after (integer counts: the order does not matter); each block has its
+  // bins and one counter for the values in none.
   const int64_t stride = bins + 1, per_slice = std::max<int64_t>(1, nblocks * stride);
   const int64_t nslices = std::max<int64_t>(
       1, std::min({static_cast<int64_t>(at::get_num_threads()), numel / (4 * kChunk),
