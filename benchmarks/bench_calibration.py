@@ -7,7 +7,7 @@ the calibration forwards (pipeline.calibrate: batches through the
 prepared model without gradients). Post-calibration algorithms
 (pt2e_fq.calib.apply) are not part of it. Wall and CPU seconds; CPU
 seconds (time.process_time, all threads) are the steadier figure on a
-shared machine. Coverage (trained_models.coverage, of the converted graph)
+shared machine. Coverage (stock_flows.coverage, of the converted graph)
 says what each flow quantized: X86InductorQuantizer leaves
 EfficientNet-Lite0's padded convolutions float.
 
@@ -73,7 +73,7 @@ def run(name: str, batches: int, batch: int) -> list:
             prepared = prepare_pt2e(gm, _quantizer(flow))
         with _Clock() as calibrate:
             pipeline.calibrate(prepared, data, progress=False)
-        coverage = tm.coverage(convert_pt2e(prepared))
+        coverage = stock_flows.coverage(convert_pt2e(prepared))
         rows.append((name, flow, str(coverage), f"{export.wall:.2f}", f"{prepare.wall:.2f} ({prepare.cpu:.2f})",
                      f"{calibrate.wall:.2f} ({calibrate.cpu:.2f})",
                      f"{prepare.wall + calibrate.wall:.2f} ({prepare.cpu + calibrate.cpu:.2f})"))

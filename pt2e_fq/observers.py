@@ -24,6 +24,7 @@ from typing import Callable, ClassVar, Optional, Sequence
 import torch
 
 from .ops.blocks import block_min_max, blocked, reduce_blocks
+from .ops.histogram import block_finite_range, block_histogram
 
 Range = tuple[torch.Tensor, torch.Tensor]
 # (lo, hi) -> x fake-quantized with the qparams of that range.
@@ -96,10 +97,15 @@ class RangeObserver(Observer):
         if x.numel() == 0 and running is not None:
             batch = torch.full_like(running[0], math.inf), torch.full_like(running[1], -math.inf)
         else:
-            batch = block_min_max(x, block_size)
+            batch = self._batch_range(x, block_size)
         if reduce_range is not None:
             batch = reduce_range(*batch)
         return batch if running is None else self.update(running, batch)
+
+    def _batch_range(self, x: torch.Tensor, block_size: Sequence[int]) -> Range:
+        """The fp32 min / max of each block's finite values (ops/blocks.py:
+        block_min_max)."""
+        return block_min_max(x, block_size)
 
     def update(self, running: Range, batch: Range) -> Range:
         raise NotImplementedError
@@ -279,6 +285,13 @@ class HistogramObserver(RangeObserver):
 
     update = MinMaxObserver.update  # the running range is MinMax's
 
+    def _batch_range(self, x, block_size):
+        """block_min_max, on the CPU in one compiled pass (the same values:
+        a minimum and a maximum do not round)."""
+        if x.device.type == "cpu":
+            return block_finite_range(x, block_size)
+        return block_min_max(x, block_size)
+
     def _bin_of(self, values: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
         """The bin of each value in [lo, hi] (broadcast), in float64, clamped
         to the ends; every value of an empty or one-point range, and every
@@ -289,7 +302,9 @@ class HistogramObserver(RangeObserver):
         return pos.nan_to_num_(0.0).floor_().clamp_(0, self.bins - 1).long()
 
     def _count(self, flat: torch.Tensor, per_row: int, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-        """The bin counts (float64, rows * (bins + 1)) of `flat`, `per_row`
+        """The binning in ATen ops, off the CPU (on the CPU the compiled
+        op ops.histogram.block_histogram, which this defines bit for bit):
+        the bin counts (float64, rows * (bins + 1)) of `flat`, `per_row`
         values per row (block), binned over its row's [lo, hi] as _bin_of
         bins them; column 0 of a row counts its non-finite values, column
         1 + b its bin b. Written for few passes over the values: a value of
@@ -333,7 +348,16 @@ class HistogramObserver(RangeObserver):
         counts anyway."""
         lo, hi = new[0].reshape(-1), new[1].reshape(-1)
         blocks = lo.numel()
-        if x.numel() > 0:
+        if x.numel() > 0 and x.device.type == "cpu":
+            # One pass over x in the compiled op, which computes _count's bins bit for bit.
+            counts, bad = block_histogram(x, block_size, new[0], new[1], self.bins)
+            if nonfinite is not None:
+                nonfinite.add_(bad)
+            counts = counts.view(-1)
+        elif x.numel() > 0:
+            # Elsewhere (CUDA) ATen's ops bin: a few kernels, no host sync. A CUDA kernel
+            # of its own would add float64 atomics on one histogram per block (all of a
+            # per-tensor point's values on `bins` counters) and needs a GPU to be measured.
             rows = _blocks_as_rows(x, block_size)
             counts = self._count(rows.reshape(-1), rows.shape[1], lo, hi).view(blocks, self.bins + 1)
             if nonfinite is not None:  # less the NaN padding of a ragged last block

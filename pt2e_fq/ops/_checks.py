@@ -28,6 +28,10 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT16_MIN, _INT16_MAX = -(2**15), 2**15 - 1
 AFFINE_OBSERVE_OP = "pt2e_fq.fake_quantize_affine_observe"
 FLOAT_OBSERVE_OP = "pt2e_fq.fake_quantize_float_observe"
+BLOCK_HISTOGRAM_OP = "pt2e_fq.block_histogram"
+FINITE_RANGE_OP = "pt2e_fq.block_finite_range"
+# block_histogram's most bins (bin indices are int32 in the kernel: csrc/common/histogram_args.h).
+MAX_OP_BINS = 1 << 24
 OBSERVE_SCHEMES = ("symmetric", "symmetric_no_clip", "asymmetric", "minval")
 
 
@@ -229,3 +233,22 @@ def _check_float_observe_args(x, block_size, min_val, max_val, scale, nonfinite,
     _check_observe_args(FLOAT_OBSERVE_OP, x, block_size, min_val, max_val, scale, nonfinite, averaging_constant)
     if fmt not in ELEMENTS:
         raise ValueError(f"{FLOAT_OBSERVE_OP}: fmt must be one of {', '.join(map(repr, ELEMENTS))}, got {fmt!r}")
+
+
+def _check_histogram_args(x, block_size, lo, hi, bins) -> None:
+    op = BLOCK_HISTOGRAM_OP
+    _check_x(op, x)
+    check_block_size(op, x, block_size)
+    expected = reduced_shape(x.shape, block_size)
+    for name, t in (("lo", lo), ("hi", hi)):
+        check_qparam(op, name, t, x, expected)
+        if t.dtype != torch.float32:
+            raise TypeError(f"{op}: {name} must be a torch.float32 tensor (the running range), got {t.dtype}")
+    _check_int(op, "bins", bins)
+    if not 1 <= bins <= MAX_OP_BINS:
+        raise ValueError(f"{op}: bins must be in [1, {MAX_OP_BINS}], got {bins}")
+
+
+def _check_finite_range_args(x, block_size) -> None:
+    _check_x(FINITE_RANGE_OP, x)
+    check_block_size(FINITE_RANGE_OP, x, block_size)

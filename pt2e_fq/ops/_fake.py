@@ -15,7 +15,9 @@ from ._checks import (
     _check_axis_blocks,
     _check_float_args,
     _check_float_observe_args,
+    _check_finite_range_args,
     _check_format_name,
+    _check_histogram_args,
     _check_learnable_args,
     _check_nvfp4_args,
 )
@@ -91,3 +93,17 @@ def _affine_observe_fake(x, block_size, min_val, max_val, scale, offset, nonfini
 def _float_observe_fake(x, block_size, min_val, max_val, scale, nonfinite, fmt, averaging_constant=None):
     _check_float_observe_args(x, block_size, min_val, max_val, scale, nonfinite, fmt, averaging_constant)
     return _empty_outputs(x)
+
+
+@torch.library.register_fake("pt2e_fq::block_histogram")
+def _block_histogram_fake(x, block_size, lo, hi, bins):
+    _check_histogram_args(x, block_size, lo, hi, bins)
+    counts = x.new_empty((*reduced_shape(x.shape, block_size), bins), dtype=torch.float64)
+    return counts, x.new_empty((), dtype=torch.int64)
+
+
+@torch.library.register_fake("pt2e_fq::block_finite_range")
+def _block_finite_range_fake(x, block_size):
+    _check_finite_range_args(x, block_size)
+    shape = reduced_shape(x.shape, block_size)
+    return x.new_empty(shape, dtype=torch.float32), x.new_empty(shape, dtype=torch.float32)

@@ -14,5 +14,7 @@ constexpr const char* kMx = "pt2e_fq.fake_quantize_mx";
 constexpr const char* kNvfp4 = "pt2e_fq.fake_quantize_nvfp4";
 constexpr const char* kAffineObserve = "pt2e_fq.fake_quantize_affine_observe";
 constexpr const char* kFloatObserve = "pt2e_fq.fake_quantize_float_observe";
+constexpr const char* kBlockHistogram = "pt2e_fq.block_histogram";
+constexpr const char* kBlockFiniteRange = "pt2e_fq.block_finite_range";
 
 }  // namespace pt2e_fq::op_names

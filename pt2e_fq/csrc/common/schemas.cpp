@@ -59,6 +59,22 @@ TORCH_LIBRARY(pt2e_fq, m) {
       "Tensor(b!) max_val, Tensor(c!) scale, Tensor(d!) nonfinite, str fmt, "
       "float? averaging_constant=None) -> (Tensor, Tensor)");
 
+  // HistogramObserver's binning: per block of block_size, the count of x's
+  // finite values in each of `bins` equal bins over [lo, hi] (fp32, one
+  // per block), bin floor((v - lo) / (hi - lo) * bins) computed in float64
+  // (the last bin takes v = hi; a one-point range puts every value in bin
+  // 0; values outside the range go to the end bins; a block with an empty
+  // range, lo > hi, counts nothing). Returns (counts: float64 of shape
+  // ceil(x.shape / block_size) + (bins,), the number of NaN / Inf values of
+  // x as a 0-dim int64). CPU only: on CUDA the observer bins with ATen ops
+  // (observers.py says why).
+  m.def(
+      "block_histogram(Tensor x, SymInt[] block_size, Tensor lo, Tensor hi, int bins) "
+      "-> (Tensor, Tensor)");
+  // Its range pass: per block, the fp32 min and max of x's finite values
+  // ((+inf, -inf) for a block with none). CPU only, as block_histogram.
+  m.def("block_finite_range(Tensor x, SymInt[] block_size) -> (Tensor, Tensor)");
+
   // The float-format ops (FP8, FP4, MX, NVFP4). Element formats are named by
   // strings ("e4m3", "e5m2", "e2m1") rather than ScalarType:
   // torch.export.save cannot serialize torch.float4_e2m1fn_x2.
