@@ -39,6 +39,7 @@ weight) and nothing else: a matmul of two activations (attention) and convs
 stay float, as in torchao's 8da4w; XNNPACK's dynamically quantized ops take
 a static weight. No int8 edges and no post-training algorithms: the
 one-call form quantizes them round-to-nearest.
+
 `get_preset("w4a8-dyn", target="xnnpack")` rounds the int4 group scales to
 bfloat16 (QSpec.scale_dtype), as ExecuTorch's XNNPACK delegate stores
 them, so the .pte applies the scales the model trained and calibrated
@@ -361,7 +362,9 @@ def get_preset(name: str, target: str = "generic", *, qat: bool = False, learnab
     an op in int8 only with its output quantized, which the presets leave
     float; use every_point(name, target="xnnpack"); except for the
     presets of DYNAMIC_ACTIVATION_PRESETS, whose dynamically quantized
-    linears XNNPACK runs with float outputs: those come as they are."""
+    linears XNNPACK runs with float outputs: those come as they are,
+    except that per-group integer weights get bfloat16 scales, as XNNPACK
+    stores them (QSpec.scale_dtype)."""
     if name not in PRESETS:
         raise ValueError(f"get_preset: unknown preset {name!r}; allowed: {', '.join(PRESETS)}")
     if not isinstance(learnable, bool):
