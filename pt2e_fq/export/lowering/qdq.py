@@ -32,7 +32,10 @@ What each target takes:
   quantize_affine -> dequantize_affine, one chain per linear as torchao's
   8da4w export has it; its weight may be per-channel or int4 symmetric per
   group (1, g). XNNPACK recomputes the per-token qparams itself and keeps
-  group scales in bfloat16 (check.py has what that costs).
+  group scales in bfloat16 (a model trained with them,
+  QSpec(scale_dtype=torch.bfloat16), loses nothing there: check.py); a
+  dynamic point whose scales are rounded in the graph is refused (the
+  runtimes compute them in fp32).
 - x86_inductor: per-tensor activations as uint8 (an int8 point's codes and
   zero point shifted by 128, which is exact); int8 symmetric per-channel
   weights (a per-tensor weight becomes per-channel with its scale repeated).
