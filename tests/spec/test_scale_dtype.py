@@ -178,13 +178,15 @@ def test_the_lowering_refuses_a_dynamic_point_with_rounded_scales_and_onnx_runti
     x = torch.randn(3, 64) * 4
     act = q.QSpec(q.INT8, q.PerToken(), "asymmetric", dynamic=True, scale_dtype=torch.bfloat16)
     prepared = prepare_pt2e(torch.export.export(model, (x,)).module(), FakeQuantQuantizer(
-        QuantizerConfig(OpConfig(input_activation=act, weight=q.QSpec(q.INT8, q.PerChannel(0))))))
+        QuantizerConfig(OpConfig(input_activation=act, weight=q.QSpec(q.INT8, q.PerChannel(0),
+                                                                      scale_dtype="bfloat16")))))
     prepared(x)
     converted = convert_pt2e(prepared)
     # XNNPACK and torchao's per-token chain compute fp32 scales: lowering it would change the numerics.
     with pytest.raises(UnsupportedPointError, match="scales are rounded to bfloat16 in the graph"):
         to_qdq(converted, (x,), target="xnnpack")
-    # ONNX computes the point's qparams in the graph, the cast to bfloat16 and back included.
+    # ONNX computes the point's qparams in the graph, the cast to bfloat16 and back included; the
+    # weight's rounded scales are fp32 initialisers, exactly.
     import tempfile
 
     with tempfile.TemporaryDirectory() as folder:
