@@ -11,9 +11,9 @@ to 4) and sequence length (up to 128).
 
 - float .pte: torch.export of the float model, XNNPACK fp32;
 - ours: presets.get_preset(name, target="xnnpack") through prepare_pt2e /
-  convert_pt2e (weights round-to-nearest, activations per token at run
-  time), to_executorch: every linear in XNNPACK's dynamically quantized
-  linear;
+  convert_pt2e (weights round-to-nearest, w4a8-dyn's group scales rounded
+  to bfloat16 as XNNPACK stores them, activations per token at run time),
+  to_executorch: every linear in XNNPACK's dynamically quantized linear;
 - torchao 8da4w: quantize_(model, Int8DynamicActivationIntxWeightConfig(
   weight_dtype=torch.int4, weight_granularity=PerGroup(32),
   weight_mapping_type=MappingType.SYMMETRIC)), torch.export,

@@ -364,7 +364,9 @@ class FakeQuantize(FakeQuantizeBase):
         """Whether this step (observer on) runs as one fused observe-and-
         fake-quantize op: fake quant on, a static point that is not
         learnable (its qparams get gradients the fused op does not give),
-        an observer and format kind with a fused op, state sized by an
+        fp32 scales (the fused op computes them in the kernel; a
+        QSpec.scale_dtype rounding is an op of its own), an observer and
+        format kind with a fused op, state sized by an
         earlier observation, and no distributed sync (the batch range must
         be all-reduced before the update). The other steps take the
         unfused path, the fused op's reference. Shape tests only."""
@@ -375,6 +377,7 @@ class FakeQuantize(FakeQuantizeBase):
             and self._observer.fusable
             and not self.qspec.dynamic
             and not self._learned
+            and self.qspec.scale_dtype == torch.float32
             and all(self._state(n).numel() > 0 for n in self._qparam_names + self._range_names())
         )
 
@@ -397,8 +400,8 @@ class FakeQuantize(FakeQuantizeBase):
     def _fuses_current(self, x: torch.Tensor) -> bool:
         """Whether a dynamic point's step runs as one fused op
         (`_fake_quantize_current`): an integer format with the default
-        observer, in an eager step with gradients on (training, where the
-        step's cost counts). Everywhere else the unfused ops, the fused
+        observer and fp32 scales (see _fuses_observe), in an eager step
+        with gradients on (training, where the step's cost counts). Everywhere else the unfused ops, the fused
         op's reference, with the same bits: an exported program computes
         the qparams in ATen ops that a lowering reads (to_qdq), Inductor
         fuses them, and the report (under no_grad) reads the static op's
@@ -406,6 +409,7 @@ class FakeQuantize(FakeQuantizeBase):
         return (
             isinstance(self.qspec.format, IntFormat)
             and type(self._observer) is CurrentMinMaxObserver
+            and self.qspec.scale_dtype == torch.float32
             and x.numel() > 0
             and torch.is_grad_enabled()
             and not (torch.compiler.is_compiling() or torch.compiler.is_exporting())

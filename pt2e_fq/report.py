@@ -17,7 +17,9 @@ A program (`pt2e_fq.load(path)`, any ExportedProgram) has op calls where a
 model has FakeQuantize modules: each call is a point, named after the FakeQuantize
 module it was traced from, and its format and granularity are read from the
 call's arguments (quant range, element format, block size). By default it
-runs on the example inputs saved with it.
+runs on the example inputs saved with it. A program does not record the
+precision a scale is stored in (QSpec.scale_dtype: a model's report counts
+bfloat16 scales at 2 bytes), so its weight bytes count fp32 scales.
 """
 
 from __future__ import annotations
@@ -140,9 +142,12 @@ class Report:
     float_weight_ops: list[dict] = field(default_factory=list)
 
     def add(self, point: str, module_and_role: tuple[str, str], fmt: str, granularity: str, bits: float,
-            call: Optional[tuple], x: Optional[torch.Tensor], nonfinite: Optional[int] = None) -> None:
+            call: Optional[tuple], x: Optional[torch.Tensor], nonfinite: Optional[int] = None,
+            scale_bits: Optional[int] = None) -> None:
         """One row, from the point's op call (op, arguments, outputs) on its
-        input x; call None: the point did not run."""
+        input x; call None: the point did not run. scale_bits: the width
+        the point stores its scale at (QSpec.scale_dtype), where known;
+        None: fp32, all an op call tells."""
         module, what = module_and_role
         row = dict(point=point, module=module, role=what, format=fmt, granularity=granularity,
                    scale=None, zero_point=None, minval=None, clipped=None, sqnr_db=None, nonfinite=nonfinite)
@@ -152,7 +157,8 @@ class Report:
             if isinstance(out, torch.Tensor):  # a learnable op: y alone; its mask is the static op's
                 out = op_call.kind.static_outputs(op_call)
             x, y, packed = x.detach(), out[0].detach(), out[1]
-            qparam_bytes = sum(_bytes(t, b) for t, b in op_call.stored_qparams(out))
+            qparam_bytes = sum(_bytes(t, scale_bits if scale_bits and t is op_call.scale else b)
+                               for t, b in op_call.stored_qparams(out))
             row.update(scale=_range(op_call.applied_scale(out)), zero_point=_range(op_call.zero_point),
                        minval=_range(op_call.minval))
             row["clipped"] = 1.0 - unpack_mask(packed, x.shape).float().mean().item() if x.numel() else 0.0
@@ -245,7 +251,7 @@ def report(model, example_inputs=None, *, file=sys.stdout) -> Report:
         x = run.inputs.get(name)
         call = calls.calls.get(name) if x is not None else None
         result.add(name, role(node), _format(spec), repr(spec.granularity) + (" dynamic" if spec.dynamic else ""),
-                   spec.format.bits, call, x, m.nonfinite_count)
+                   spec.format.bits, call, x, m.nonfinite_count, spec.scale_dtype.itemsize * 8)
     if file is not None:
         print(result.table(), file=file)
     return result
@@ -336,4 +342,6 @@ def _format(spec) -> str:
         text += f" {spec.scheme.value}"
         if spec.formulation is Formulation.MINVAL:
             text += " minval"
+        if spec.scale_dtype != torch.float32:
+            text += f", {str(spec.scale_dtype).removeprefix('torch.')} scales"
     return text

@@ -26,7 +26,7 @@ global scale) keep MinMaxObserver. Bias stays in float.
 | mxfp8  | MXFP8 E4M3 (blocks of 32, E8M0 scales) | MXFP8 E4M3, dynamic |
 | mxfp4  | MXFP4 (blocks of 32, E8M0 scales)  | MXFP4, dynamic |
 | nvfp4  | NVFP4 (blocks of 16, E4M3 scales, per-tensor global scale) | NVFP4, static global scale |
-| w4a8-dyn | int4 per group of 32, symmetric | int8 per token, asymmetric, dynamic (linears only) |
+| w4a8-dyn | int4 per group of 32, symmetric (bfloat16 scales with target "xnnpack") | int8 per token, asymmetric, dynamic (linears only) |
 | w8a8-dyn | int8 per channel, symmetric | int8 per token, asymmetric, dynamic (linears only) |
 
 The `-dyn` presets are the LLM deployment layout of ExecuTorch's XNNPACK
@@ -39,6 +39,13 @@ weight) and nothing else: a matmul of two activations (attention) and convs
 stay float, as in torchao's 8da4w; XNNPACK's dynamically quantized ops take
 a static weight. No int8 edges and no post-training algorithms: the
 one-call form quantizes them round-to-nearest.
+
+`get_preset("w4a8-dyn", target="xnnpack")` rounds the int4 group scales to
+bfloat16 (QSpec.scale_dtype), as ExecuTorch's XNNPACK delegate stores
+them, so the .pte applies the scales the model trained and calibrated
+with; plain `get_preset("w4a8-dyn")` keeps fp32 scales, which the other
+runtimes (ONNX's blocked DequantizeLinear, torchao's int4 kernels) store
+as they are. w8a8-dyn's per-channel scales are fp32 in XNNPACK too.
 
 On a convolutional network the 4-bit presets' one-call form
 (pt2e_fq.cli.pipeline.quantize) keeps the layers 4 bits cannot carry at
@@ -70,6 +77,8 @@ as torchao's XNNPACK and X86 quantizers do.
 """
 
 from __future__ import annotations
+
+import torch
 
 from pt2e_fq import (
     FP8_E4M3,
@@ -254,6 +263,25 @@ def _for_x86_inductor(config: QuantizerConfig) -> QuantizerConfig:
     return config
 
 
+def _xnnpack_group_scales(config: QuantizerConfig) -> None:
+    """Per-group integer weights with bfloat16 scales, in place: ExecuTorch's
+    XNNPACK delegate stores the scales of its per-group (int4) weights in
+    bfloat16 (pt2e_fq.spec.qparams.SCALE_DTYPES says where), so training
+    and calibration see the scales the .pte applies. Per-channel and
+    per-tensor scales, which XNNPACK keeps in fp32, stay fp32."""
+    import dataclasses
+
+    for section, key, op_config in list(_op_configs(config)):
+        weight = None if op_config is None else op_config.weight
+        if weight is None or kind_of(weight.format) is not INTEGER or not isinstance(weight.granularity, PerGroup):
+            continue
+        new = dataclasses.replace(op_config, weight=dataclasses.replace(weight, scale_dtype=torch.bfloat16))
+        if section == "global":
+            config.global_config = new
+        else:
+            getattr(config, section)[key] = new
+
+
 def _op_configs(config: QuantizerConfig):
     """(section, key, OpConfig) of every op config of `config` that quantizes something."""
     yield "global", None, config.global_config
@@ -334,7 +362,9 @@ def get_preset(name: str, target: str = "generic", *, qat: bool = False, learnab
     an op in int8 only with its output quantized, which the presets leave
     float; use every_point(name, target="xnnpack"); except for the
     presets of DYNAMIC_ACTIVATION_PRESETS, whose dynamically quantized
-    linears XNNPACK runs with float outputs: those come as they are."""
+    linears XNNPACK runs with float outputs: those come as they are,
+    except that per-group integer weights get bfloat16 scales, as XNNPACK
+    stores them (QSpec.scale_dtype)."""
     if name not in PRESETS:
         raise ValueError(f"get_preset: unknown preset {name!r}; allowed: {', '.join(PRESETS)}")
     if not isinstance(learnable, bool):
@@ -354,6 +384,8 @@ def get_preset(name: str, target: str = "generic", *, qat: bool = False, learnab
     config = QuantizerConfig.from_dict((_QAT_PRESETS if qat else PRESETS)[name].to_dict())
     if learnable:
         learnable_ranges(config, "get_preset")
+    if target == "xnnpack":
+        _xnnpack_group_scales(config)
     return _for_x86_inductor(config) if target == "x86_inductor" else config
 
 

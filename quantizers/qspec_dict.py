@@ -2,7 +2,7 @@
 
     {"format": "int4", "granularity": {"type": "per_group", "group_size": 32, "axis": 1},
      "scheme": "asymmetric", "formulation": "minval", "observer": "current_min_max", "dynamic": false,
-     "learnable": false, "grad_factor": null}
+     "learnable": false, "grad_factor": null, "scale_dtype": "float32"}
 
 A granularity or observer without arguments may be written as its bare name.
 `qspec_to_dict` writes every field, so a dict read back gives an equal QSpec
@@ -46,7 +46,8 @@ OBSERVER_NAMES = {
     "histogram": HistogramObserver,
     "current_min_max": CurrentMinMaxObserver,
 }
-QSPEC_KEYS = ("format", "granularity", "scheme", "formulation", "observer", "dynamic", "learnable", "grad_factor")
+QSPEC_KEYS = ("format", "granularity", "scheme", "formulation", "observer", "dynamic", "learnable", "grad_factor",
+              "scale_dtype")
 _INT_FORMAT = re.compile(r"(u?)int(\d+)")
 
 
@@ -131,6 +132,7 @@ def qspec_to_dict(spec: QSpec) -> dict:
         "dynamic": spec.dynamic,
         "learnable": spec.learnable,
         "grad_factor": spec.grad_factor,
+        "scale_dtype": str(spec.scale_dtype).removeprefix("torch."),
     }
 
 
@@ -146,7 +148,8 @@ def qspec_from_dict(where: str, d) -> QSpec:
                                                       GRANULARITY_NAMES)
     if d.get("observer") is not None:
         kwargs["observer"] = _named_dataclass_from(f"{where}.observer", "observer", d["observer"], OBSERVER_NAMES)
-    for key in ("scheme", "formulation", "dynamic", "learnable", "grad_factor"):
+    # scale_dtype by name: QSpec takes a dtype's name ("bfloat16") and checks it.
+    for key in ("scheme", "formulation", "dynamic", "learnable", "grad_factor", "scale_dtype"):
         if key in d:
             kwargs[key] = d[key]
     try:

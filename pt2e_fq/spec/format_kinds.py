@@ -37,6 +37,7 @@ from .qparams import (
     float_scale_from_amax,
     int_range_limit,
     minval_qparams,
+    stored_scale,
     symmetric_no_clip_qparams,
     symmetric_qparams,
     two_level_global_scale,
@@ -212,14 +213,15 @@ _ZP_QPARAMS = {
 }
 
 
-def floored_learned_scale(scale: torch.Tensor) -> torch.Tensor:
+def floored_learned_scale(scale: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A learned scale as the learnable op takes it: max(scale, fp32 eps)
-    in value, the identity in gradient (straight through). The value is
-    the floor itself, bit for bit, whatever the scale: the detached floor
-    plus (scale - scale.detach()), which is exactly +0 for a finite scale.
+    rounded to `scale_dtype` (stored_scale) in value, the identity in
+    gradient (straight through). The value is the stored scale itself, bit
+    for bit, whatever the scale: the detached value plus
+    (scale - scale.detach()), which is exactly +0 for a finite scale.
     (The form `scale + (floor - scale).detach()` rounds: for scale <= -2,
     eps - scale rounds to -scale and the sum is 0.) A NaN scale stays NaN."""
-    return scale.detach().clamp_min(INT_SCALE_EPS) + (scale - scale.detach())
+    return stored_scale(scale.detach().clamp_min(INT_SCALE_EPS), scale_dtype) + (scale - scale.detach())
 
 
 class _Integer(FormatKind):
@@ -248,9 +250,11 @@ class _Integer(FormatKind):
         lo, hi = lo.clamp(-limit, limit), hi.clamp(-limit, limit)
         if spec.formulation is Formulation.MINVAL:
             scale, minval = minval_qparams(lo, hi, qmin, qmax)
-            return {"scale": scale, "minval": minval}
+            return {"scale": stored_scale(scale, spec.scale_dtype), "minval": minval}
+        # The zero point comes from the fp32 scale, as torchao's choose_qparams_affine
+        # computes it before casting the scale to its scale_dtype.
         scale, zero_point = _ZP_QPARAMS[spec.scheme][0](lo, hi, qmin, qmax)
-        return {"scale": scale, "zero_point": zero_point}
+        return {"scale": stored_scale(scale, spec.scale_dtype), "zero_point": zero_point}
 
     def fake_quantize(self, spec, x, block_size, qparams):
         qmin, qmax = self.quant_range(spec)
@@ -283,11 +287,12 @@ class _Integer(FormatKind):
 
     def frozen_learned(self, spec, name: str, value: torch.Tensor) -> torch.Tensor:
         """A learned qparam as the learnable op applies it, in a static
-        point's dtype: the scale floored at fp32 eps (fake_quantize_learnable),
+        point's dtype: the scale floored at fp32 eps and rounded to the
+        spec's scale_dtype (fake_quantize_learnable),
         the zero point rounded half to even after clamping, as int32."""
         value = value.detach()
         if name == "scale":
-            return floored_learned_scale(value)
+            return floored_learned_scale(value, spec.scale_dtype)
         if name == "zero_point":
             return self.frozen_learned_zero_point(value, *self.quant_range(spec))
         return value.clone()
@@ -299,7 +304,7 @@ class _Integer(FormatKind):
         its gradient still reaches the parameter, so the next steps can
         bring it back."""
         qmin, qmax = self.quant_range(spec)
-        scale = floored_learned_scale(qparams["scale"])
+        scale = floored_learned_scale(qparams["scale"], spec.scale_dtype)
         return ops.fake_quantize_affine_learnable(
             x, block_size, scale, qparams.get("zero_point"), qmin, qmax, spec.grad_factor, minval=qparams.get("minval")
         )

@@ -16,6 +16,14 @@ from .formats import ELEMENTS
 # torch's observers floor integer scales at fp32 eps; a constant tensor then
 # gets a tiny but valid scale instead of 0.
 INT_SCALE_EPS = torch.finfo(torch.float32).eps
+# The precisions a scale may be stored in (QSpec.scale_dtype): fp32, and
+# bfloat16, in which ExecuTorch's XNNPACK delegate stores the per-group
+# scales of int4 weights (executorch backends/xnnpack/operators/
+# node_visitor.py, NodeVisitor.get_quant_params: `scale.to(torch.bfloat16)`
+# for per_channel_group), as torchao's `scale_precision` /
+# `weight_scale_dtype` model it.
+SCALE_DTYPES = (torch.float32, torch.bfloat16)
+
 # Float formats have range to spare: floor only at the smallest normal fp32.
 FLOAT_SCALE_TINY = torch.finfo(torch.float32).tiny
 
@@ -31,6 +39,15 @@ def int_range_limit(dtype: torch.dtype, quant_min: int, quant_max: int) -> float
     capping at half the fp32 max keeps hi - lo, and so the scale, finite."""
     n = quant_max - quant_min
     return min(torch.finfo(dtype).max * n / (n + 1), torch.finfo(torch.float32).max / 2)
+
+
+def stored_scale(scale: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
+    """`scale` as a runtime that stores it in `scale_dtype` reads it back:
+    rounded to the nearest `scale_dtype` value (ties to even), held as fp32
+    (every bfloat16 value is an fp32 one). The identity for fp32. A scale
+    floored at INT_SCALE_EPS (2**-23, a bfloat16 value) stays at or above
+    it: rounding to nearest is monotone."""
+    return scale if scale_dtype == torch.float32 else scale.to(scale_dtype).to(torch.float32)
 
 
 def symmetric_qparams(lo, hi, quant_min: int, quant_max: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,10 +13,13 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from .format_kinds import FormatKind, kind_of
+import torch
+
+from .format_kinds import INTEGER, FormatKind, kind_of
 from .formats import INT8, FloatFormat, Format, IntFormat
 from .granularity import GRANULARITIES, Granularity, PerTensor, PerToken
 from ..observers import OBSERVERS, CurrentMinMaxObserver, MinMaxObserver, Observer
+from .qparams import SCALE_DTYPES
 from .schemes import Formulation, Scheme
 
 
@@ -56,6 +59,17 @@ class QSpec:
         grad_factor: the learnable qparams' gradient scale; None: LSQ's
             1 / sqrt(block_numel * quant_max) per block, block_numel that
             block's own element count (a ragged last block has fewer).
+        scale_dtype: the precision the deployed scale is stored in (integer
+            formats): torch.float32, or torch.bfloat16 as ExecuTorch's
+            XNNPACK stores int4 group scales (torchao's `scale_precision`).
+            The scale is computed in fp32, then rounded to scale_dtype and
+            kept as fp32 values, so training sees the scale the runtime
+            applies (qparams.stored_scale); an asymmetric zero point comes
+            from the fp32 scale, as in torchao. A learnable scale trains in
+            fp32 (a bfloat16 parameter would lose the optimizer's small
+            steps) and the op applies it rounded, straight through; convert
+            stores the rounded value. The name of a dtype ("bfloat16") is
+            taken too.
 
     Raises:
         TypeError: a field of the wrong type (format, granularity, observer, flags).
@@ -71,6 +85,7 @@ class QSpec:
     dynamic: bool = False
     learnable: bool = False
     grad_factor: Optional[float] = None
+    scale_dtype: torch.dtype = torch.float32
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -87,8 +102,22 @@ class QSpec:
             names = ", ".join(o.__name__ for o in OBSERVERS)
             raise TypeError(f"QSpec: observer must be None or an instance of {names}, got {self.observer!r}")
         self.kind.check(self)
+        self._check_scale_dtype()
         self._check_observer_rules()
         self._check_learnable_rules()
+
+    def _check_scale_dtype(self) -> None:
+        names = {str(d).removeprefix("torch."): d for d in SCALE_DTYPES}
+        if not isinstance(self.scale_dtype, (torch.dtype, str)):
+            raise TypeError(f"QSpec: scale_dtype must be a torch.dtype or its name, got {self.scale_dtype!r}")
+        dtype = names.get(self.scale_dtype) if isinstance(self.scale_dtype, str) else self.scale_dtype
+        if dtype not in SCALE_DTYPES:
+            raise ValueError(f"QSpec: scale_dtype must be one of {', '.join(names)} (a torch.dtype or its name), "
+                             f"got {self.scale_dtype!r}")
+        object.__setattr__(self, "scale_dtype", dtype)
+        if dtype != torch.float32 and self.kind is not INTEGER:
+            raise ValueError(f"QSpec: scale_dtype {str(dtype).removeprefix('torch.')} applies to integer "
+                             f"formats' scales; {self.format.name} keeps scale_dtype float32")
 
     def _check_learnable_rules(self) -> None:
         if not isinstance(self.learnable, bool):
@@ -159,4 +188,6 @@ class QSpec:
         parts.append("dynamic" if self.dynamic else type(self.observer_or_default).__name__)
         if self.learnable:
             parts.append("learnable" + ("" if self.grad_factor is None else f"(grad_factor={self.grad_factor:g})"))
+        if self.scale_dtype != torch.float32:
+            parts.append(f"{str(self.scale_dtype).removeprefix('torch.')} scales")
         return " ".join(parts)

@@ -98,6 +98,8 @@ def test_a_preset_is_laid_out_for_the_target():
     assert config(target="x86_inductor") == presets.get_preset("w8a8", target="x86_inductor")
     assert config(target="xnnpack") == presets.every_point("w8a8", target="xnnpack")
     assert config(pte="m.pte") == presets.every_point("w8a8", target="xnnpack")
-    # XNNPACK's dynamically quantized linears have float outputs: a -dyn preset as it is.
-    assert config(preset="w4a8-dyn", pte="m.pte") == presets.get_preset("w4a8-dyn")
+    # XNNPACK's dynamically quantized linears have float outputs: a -dyn preset as it is, laid out
+    # for XNNPACK (w4a8-dyn's group scales in bfloat16, as it stores them).
+    assert config(preset="w4a8-dyn", pte="m.pte") == presets.get_preset("w4a8-dyn", target="xnnpack")
+    assert config(preset="w4a8-dyn", pte="m.pte").global_config.weight.scale_dtype is torch.bfloat16
     assert config(preset="w8a8-dyn", target="xnnpack") == presets.get_preset("w8a8-dyn")

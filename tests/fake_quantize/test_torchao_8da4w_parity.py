@@ -16,6 +16,12 @@ bounded here:
   choose_qparams_per_token_asymmetric's), torchao's QAT 2**-126: a block
   whose range is under (quant_max - quant_min) * 2**-23 differs, by under
   2**-23 per element.
+
+With bfloat16 group scales on both sides (get_preset("w4a8-dyn",
+target="xnnpack"), torchao's `scale_precision=torch.bfloat16`) the scales
+are equal bit for bit; torchao then computes 1 / scale in bfloat16, so its
+x * (1 / scale) is off x / scale by up to 2**-8 relative: the ties widen to
+that, still one code apart at most (|x / scale| <= 8 for int4).
 """
 
 import pytest
@@ -28,7 +34,7 @@ from pt2e_fq import FakeQuantize
 from pt2e_fq.ops.blocks import block_min_max
 from quantizers import presets
 from torchao.quantization import Int8DynamicActivationIntxWeightConfig, MappingType, PerAxis, PerGroup
-from torchao.quantization.qat.fake_quantize_config import _infer_fake_quantize_configs
+from torchao.quantization.qat.fake_quantize_config import IntxFakeQuantizeConfig, _infer_fake_quantize_configs
 from torchao.quantization.qat.fake_quantizer import IntxFakeQuantizer
 
 SCALE_FLOOR = 2.0 ** -23
@@ -58,16 +64,17 @@ def _expand(qparam, x, block_size):
     return qparam.reshape(x.shape)
 
 
-def assert_equal_but_bounded(x, ours, theirs, scale, block_size, qmin, qmax):
-    """`ours` == `theirs` bit for bit, except one code apart at rounding ties,
-    and within 2**-23 in blocks under the scale floor."""
+def assert_equal_but_bounded(x, ours, theirs, scale, block_size, qmin, qmax, tie_width=TIE_WIDTH):
+    """`ours` == `theirs` bit for bit, except one code apart at rounding ties
+    (x / scale within tie_width of a half-integer, relative), and within
+    2**-23 in blocks under the scale floor."""
     lo, hi = block_min_max(x, block_size)
     floored = _expand((hi.clamp(min=0) - lo.clamp(max=0)) < (qmax - qmin) * SCALE_FLOOR, x, block_size)
     s = _expand(scale, x, block_size)
     diff = (ours - theirs).abs()
     assert (diff[floored] < SCALE_FLOOR).all()
     t = x.double() / s.double()
-    near_tie = ((t - t.floor() - 0.5).abs() <= TIE_WIDTH * t.abs().clamp(min=1))
+    near_tie = ((t - t.floor() - 0.5).abs() <= tie_width * t.abs().clamp(min=1))
     # One step, up to the rounding of the two products (q - zp) * scale.
     one_code = (diff.double() - s.double()).abs() <= 2.0 ** -22 * torch.maximum(ours.abs(), theirs.abs()).double()
     off = (diff > 0) & ~floored
@@ -143,6 +150,24 @@ def test_weights_equal_torchao(preset, w):
     assert torch.equal(ours.scale[exact], theirs.scale.reshape(ours.scale.shape)[exact])
     assert (ours.zero_point == 0).all() and (theirs.zero_point == 0).all()
     assert_equal_but_bounded(w, y, y_ref, ours.scale, block_size, qmin, qmax)
+
+
+@settings(max_examples=100, deadline=None)
+@given(w=matrices(max_rows=8, cols=st.sampled_from([32, 64, 96])))
+def test_int4_weights_with_bfloat16_scales_equal_torchaos_scale_precision(w):
+    spec = presets.get_preset("w4a8-dyn", target="xnnpack", qat=True).global_config.weight
+    assert spec.scale_dtype is torch.bfloat16
+    ours = FakeQuantize(spec)
+    theirs = IntxFakeQuantizer(IntxFakeQuantizeConfig(torch.int4, PerGroup(32), MappingType.SYMMETRIC,
+                                                      scale_precision=torch.bfloat16))
+    y, y_ref = ours(w), theirs(w)
+    block_size = spec.granularity.block_size(w.shape)
+    lo, hi = block_min_max(w, block_size)
+    exact = torch.maximum(-lo, hi) >= 15 / 2 * SCALE_FLOOR
+    assert theirs.scale.dtype == torch.bfloat16
+    assert torch.equal(ours.scale[exact], theirs.scale.float().reshape(ours.scale.shape)[exact])
+    # torchao's bfloat16 reciprocal: x * (1 / scale) within 2**-8 of x / scale, relative.
+    assert_equal_but_bounded(w, y, y_ref, ours.scale, block_size, -8, 7, tie_width=2.0 ** -8 + TIE_WIDTH)
 
 
 def test_the_int4_groups_extreme_is_the_tie_hand_computed():

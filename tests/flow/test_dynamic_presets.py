@@ -5,6 +5,7 @@ model against torchao's own 8da4w QAT on the same weights; one pt2e_fq op
 per point in the converted program."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -88,3 +89,18 @@ def test_the_one_call_form_adds_no_int8_edges_and_no_rounding_step(preset):
     assert torch.equal(default(x), plain(x))
     weights = [m.qspec for m in default.modules() if isinstance(m, FakeQuantize) and not m.qspec.dynamic]
     assert [w.quant_range for w in weights] == [presets.get_preset(preset).global_config.weight.quant_range] * 2
+
+
+@pytest.mark.parametrize("qat", [False, True])
+def test_the_xnnpack_target_stores_int4_group_scales_in_bfloat16(qat):
+    # ExecuTorch's XNNPACK keeps per-group scales in bfloat16 and per-channel ones in fp32
+    # (pt2e_fq.spec.qparams.SCALE_DTYPES); the other targets store fp32 scales.
+    xnnpack = {p: presets.get_preset(p, target="xnnpack", qat=qat).global_config for p in presets.DYNAMIC_ACTIVATION_PRESETS}
+    assert xnnpack["w4a8-dyn"].weight.scale_dtype is torch.bfloat16
+    assert xnnpack["w8a8-dyn"].weight.scale_dtype is torch.float32
+    for preset in presets.DYNAMIC_ACTIVATION_PRESETS:
+        assert presets.get_preset(preset, qat=qat).global_config.weight.scale_dtype is torch.float32
+        assert xnnpack[preset].input_activation.scale_dtype is torch.float32  # XNNPACK computes them in fp32
+    # Nothing else changes.
+    plain = presets.get_preset("w4a8-dyn", qat=qat).global_config.weight
+    assert xnnpack["w4a8-dyn"].weight == dataclasses.replace(plain, scale_dtype=torch.bfloat16)

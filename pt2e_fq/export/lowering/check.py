@@ -22,14 +22,17 @@ from ours one rounding step at a time (ResNet-18 through XNNPACK: 25 to
 Dynamic per-token activations (w4a8-dyn, w8a8-dyn through XNNPACK's
 dynamically quantized linear) meet the same bound: XNNPACK computes each
 token's qparams itself from the row's range, as the fake-quant op does, but
-in its own arithmetic, and stores int4 group scales in bfloat16. Measured
-on CPU (torch 2.13, executorch 1.5.1), a 2-layer decoder's logits at
-batches 1 and 4, sequence lengths 1 to 32, are at 134 dB or more with
-w8a8-dyn (fp32 channel scales: XNNPACK's per-token qparams are ours) and
-38 to 41 dB with w4a8-dyn (the bfloat16 group scales)
-(tests/export/test_export_llm_pte.py, which also shows that a weight scale
-25% off, two groups' scales exchanged or codes one step off fall below
-the bound; docs/export.md has the 4-layer decoder's figures).
+in its own arithmetic, and stores int4 group scales in bfloat16, which the
+xnnpack target's w4a8-dyn trains with (QSpec.scale_dtype). Measured on CPU
+(torch 2.13, executorch 1.5.1), a 2-layer decoder's logits at batches 1
+and 4, sequence lengths 1 to 32, are at 133 dB or more with either preset,
+except where an activation lands one code away (XNNPACK's float kernels
+differ in the last bits; attention carries it to the later tokens): 55.9
+dB at one shape. With fp32 group scales, which the .pte rounds, w4a8-dyn
+gave 38 to 41 dB (tests/export/test_export_llm_pte.py, which also shows
+that a weight scale 25% off, two groups' scales exchanged or codes one
+step off fall below the bound; docs/export.md has the 4-layer decoder's
+figures).
 """
 
 from __future__ import annotations

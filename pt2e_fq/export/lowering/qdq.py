@@ -32,7 +32,10 @@ What each target takes:
   quantize_affine -> dequantize_affine, one chain per linear as torchao's
   8da4w export has it; its weight may be per-channel or int4 symmetric per
   group (1, g). XNNPACK recomputes the per-token qparams itself and keeps
-  group scales in bfloat16 (check.py has what that costs).
+  group scales in bfloat16 (a model trained with them,
+  QSpec(scale_dtype=torch.bfloat16), loses nothing there: check.py); a
+  dynamic point whose scales are rounded in the graph is refused (the
+  runtimes compute them in fp32).
 - x86_inductor: per-tensor activations as uint8 (an int8 point's codes and
   zero point shifted by 128, which is exact); int8 symmetric per-channel
   weights (a per-tensor weight becomes per-channel with its scale repeated).
@@ -254,6 +257,21 @@ def _xnnpack_group_weight(call: OpCall, x_shape, symmetric: bool) -> bool:
             and x_shape[1] % block[1] == 0 and symmetric and (call.quant_min, call.quant_max) == (-8, 7))
 
 
+def _scale_rounded_through(scale) -> Optional[torch.dtype]:
+    """The narrower float dtype a scale computed in the graph is rounded
+    through (a dynamic point with QSpec.scale_dtype bfloat16: the cast to
+    it and back, qparams.stored_scale), or None."""
+    if not (isinstance(scale, torch.fx.Node) and scale.target in _CASTS and scale.all_input_nodes):
+        return None
+    source = scale.all_input_nodes[0].meta.get("val")
+    if isinstance(source, torch.Tensor) and source.dtype in (torch.bfloat16, torch.float16):
+        return source.dtype
+    return None
+
+
+_CASTS = (torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default)
+
+
 def _dynamic_plan(call: OpCall, target: str, weight: bool, x_shape) -> tuple[Optional[_Plan], str]:
     """A dynamic point (qparams computed from the live tensor) lowers as
     torchao's per-token choose_qparams_affine / quantize_affine /
@@ -265,6 +283,10 @@ def _dynamic_plan(call: OpCall, target: str, weight: bool, x_shape) -> tuple[Opt
                  and call.block_size[-1] >= x_shape[-1])
     if weight:
         return None, "its qparams are computed in the graph (a dynamic weight); the lowering takes a weight's static qparams"
+    rounded = _scale_rounded_through(call.scale)
+    if rounded is not None:
+        return None, (f"its scales are rounded to {str(rounded).removeprefix('torch.')} in the graph "
+                      "(QSpec.scale_dtype); the runtimes' dynamic quantization computes fp32 scales")
     if target == "x86_inductor":
         return None, "its qparams are computed in the graph (a dynamic point); Inductor's x86 int8 kernels take static ones"
     if not per_token:
