@@ -9,6 +9,8 @@ own held-out outputs, the running statistics recorded at each step."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from tests.models.mlp import ReluMLP
@@ -176,3 +178,46 @@ def test_evaluate_sees_a_copy_and_is_recorded():
     assert [step for step, _ in history.evaluations] == [3, 6]
     assert all(copy is not student for copy in seen)
     assert history.evaluations[-1][1] == pytest.approx(_held_out_error(student, teacher))
+
+
+def test_one_call_qat_starts_from_the_ptq_default(monkeypatch):
+    """pipeline.quantize(qat_steps > 0) trains the model that the PTQ
+    default (int8 edges, calibration, GPTQ, bias and activation bias
+    correction) leaves: converted before the first step, it gives
+    pipeline.quantize(qat_steps=0)'s output bit for bit."""
+    model, calibration = build("conv_bn_cnn").eval(), image_batches(4)
+    x = image_batches(2, seed=9)[1]
+    ptq_model = pipeline.quantize(model, calibration[0], "w4a8", calibration=calibration, progress=False)
+    starts, distill = [], qat.distill
+
+    def spy(student, *args, **kwargs):
+        with torch.no_grad():
+            starts.append(pipeline.convert(copy.deepcopy(student))(x))
+        return distill(student, *args, **kwargs)
+
+    monkeypatch.setattr(qat, "distill", spy)
+    trained_model = pipeline.quantize(model, calibration[0], "w4a8", calibration=calibration, qat_steps=3, lr=1e-3,
+                                      progress=False)
+    with torch.no_grad():
+        ptq, trained = ptq_model(x), trained_model(x)
+    assert len(starts) == 1
+    assert torch.equal(starts[0], ptq)
+    assert not torch.equal(trained, ptq)  # and the steps moved it
+
+
+def test_one_call_qat_lowers_the_held_out_error_of_its_ptq_start():
+    """The held-out error (mean squared difference to the float model on
+    inputs no step saw) of pipeline.quantize's QAT is below that of its
+    PTQ start, pipeline.quantize(qat_steps=0), computed here."""
+    torch.manual_seed(0)
+    model, calibration = ReluMLP(), _data(8, 3)
+    held_out = _data(4, 7)
+
+    def error(converted) -> float:
+        with torch.no_grad():
+            return sum(float((converted(x) - model(x)).square().mean()) for x in held_out)
+
+    ptq = pipeline.quantize(model, calibration[0], "w4a8", calibration=calibration, progress=False)
+    trained = pipeline.quantize(model, calibration[0], "w4a8", calibration=calibration, qat_steps=40, lr=3e-4,
+                                progress=False)
+    assert error(trained) < 0.8 * error(ptq)
