@@ -221,3 +221,37 @@ def test_one_call_qat_lowers_the_held_out_error_of_its_ptq_start():
     trained = pipeline.quantize(model, calibration[0], "w4a8", calibration=calibration, qat_steps=40, lr=3e-4,
                                 progress=False)
     assert error(trained) < 0.8 * error(ptq)
+
+
+def test_latent_weights_in_cells_keep_the_outputs_and_return_the_float_values():
+    """After GPTQ the weights sit on grid values; latent_weights_in_cells
+    moves each toward its float value (taken before the rounding) as far as
+    its rounding cell allows: within 0.49 of a step (w4a8's int4 groups of
+    32, the step read off the point's scale here) of the grid value, equal
+    to the float value where that lies inside, and the model's outputs
+    unchanged bit for bit."""
+    torch.manual_seed(0)
+    model, calibration = ReluMLP(), _data(4, 3)
+    prepared = pipeline.prepare(model, calibration[0], "w4a8")
+    pipeline.calibrate(prepared, calibration, progress=False)
+    floats = {}
+    pipeline.run_ptq_algorithms(prepared, model, calibration, "w4a8",
+                                before_rounding=lambda gm: floats.update(qat.float_weights(gm)))
+    assert set(floats) == {"fc1.weight", "fc2.weight"}
+    rounded = {k: prepared.get_parameter(k).detach().clone() for k in floats}
+    x = _data(1, 9)[0]
+    with torch.no_grad():
+        before = prepared(x)
+        moved = qat.latent_weights_in_cells(prepared, floats)
+        after = prepared(x)
+    assert torch.equal(after, before)
+    assert moved > 0
+    for k, float_weight in floats.items():
+        (node,) = [n for n in prepared.graph.nodes if n.op == "call_module" and n.args[0].target == k]
+        point = prepared.get_submodule(node.target)  # the weight's fake-quant point
+        step = point.scale.detach().repeat_interleave(32, dim=1)  # (out, in / 32) -> (out, in)
+        latent, grid = prepared.get_parameter(k).detach(), rounded[k]
+        assert ((latent - grid).abs() <= 0.49 * step * (1 + 1e-6)).all()
+        inside = (float_weight - grid).abs() < 0.48 * step
+        assert inside.any() and not inside.all()
+        assert torch.equal(latent[inside], float_weight[inside])
