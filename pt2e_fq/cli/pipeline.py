@@ -258,6 +258,29 @@ def run_ptq_algorithms(prepared, model, batches, name, before_rounding: Optional
     return report
 
 
+def start_qat_from_ptq(prepared, model, batches, name) -> torch.fx.GraphModule:
+    """run_ptq_algorithms, then what QAT from that PTQ needs, in place:
+    every observer off (the calibrated ranges stay) and the weights GPTQ
+    rounded given their float values clamped into the chosen rounding cells
+    (pt2e_fq.qat.latent_weights_in_cells). The outputs are the PTQ's bit
+    for bit; train it with pt2e_fq.qat.distill.
+
+    Args:
+        prepared: the calibrated GraphModule of prepare_pt2e.
+        model: the float model it was exported from.
+        batches: the calibration batches (tuples of tensors).
+        name: the preset whose algorithms run, or None (none).
+
+    Returns:
+        `prepared`."""
+    floats = {}
+    run_ptq_algorithms(prepared, model, batches, name, before_rounding=lambda gm: floats.update(qat.float_weights(gm)))
+    prepared.apply(disable_observer)
+    if floats:
+        qat.latent_weights_in_cells(prepared, floats)
+    return prepared
+
+
 def quantize(
     model: torch.nn.Module,
     example_inputs,
@@ -333,13 +356,10 @@ def quantize(
         config = presets.int8_edges(presets.get_preset(name), model)
     prepared = prepare(model, example, config, dynamic_batch=dynamic_batch)
     calibrate(prepared, batches, progress=progress)
-    floats = {}
-    run_ptq_algorithms(prepared, model, batches, name,
-                       before_rounding=(lambda gm: floats.update(qat.float_weights(gm))) if qat_steps > 0 else None)
-    if qat_steps > 0:
-        prepared.apply(disable_observer)
-        if floats:
-            qat.latent_weights_in_cells(prepared, floats)
-        qat.distill(prepared, model, batches, steps=qat_steps, loss=loss, temperature=temperature, lr=lr,
-                    qparam_lr=qparam_lr, progress=progress, desc="QAT")
+    if qat_steps == 0:
+        run_ptq_algorithms(prepared, model, batches, name)
+        return convert(prepared)
+    start_qat_from_ptq(prepared, model, batches, name)
+    qat.distill(prepared, model, batches, steps=qat_steps, loss=loss, temperature=temperature, lr=lr,
+                qparam_lr=qparam_lr, progress=progress, desc="QAT")
     return convert(prepared)
