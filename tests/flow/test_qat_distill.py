@@ -2,10 +2,13 @@
 distillation loss falls and the student's held-out outputs move toward the
 teacher's, batch norms stop updating after the set step, learnable ranges
 (presets.get_preset(..., learnable=True)) receive gradients and move, and
-bad arguments give one-line errors.
+bad arguments give one-line errors. pipeline.quantize's QAT starts from the
+PTQ default (bit for bit) and lowers its held-out error;
+qat.latent_weights_in_cells keeps the outputs and returns the float values.
 
 References: the teacher's state_dict snapshot (bit for bit), the teacher's
-own held-out outputs, the running statistics recorded at each step."""
+own held-out outputs, the running statistics recorded at each step, the
+PTQ default's outputs, the grid step read off a point's scale."""
 
 from __future__ import annotations
 
