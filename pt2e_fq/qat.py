@@ -155,21 +155,25 @@ def float_weights(prepared: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
 
 def latent_weights_in_cells(prepared: torch.fx.GraphModule, floats: dict[str, torch.Tensor]) -> int:
     """Gives weights that a rounding algorithm left on grid values their
-    float values back, each clamped into the rounding cell of the grid value
-    the algorithm chose, in place: the fake-quantized weights (so the
-    model's outputs) stay bit for bit what they were, and QAT starts from
-    them.
+    float values back where the algorithm rounded them to nearest, in
+    place: each such weight is its float value (clamped into its cell, a
+    guard), every other weight keeps its grid value, so the fake-quantized
+    weights (hence the model's outputs) stay bit for bit what they were,
+    and QAT starts from them.
 
     Why: GPTQ stores each weight at the centre of its cell, half a grid step
     from a change of rounding; a QAT step moves a weight by a small fraction
     of a step (Adam: about the learning rate), so for many steps no rounding
-    changes and only the biases learn. Clamped float values sit where
-    rounding to nearest would have left them, the ones GPTQ rounded the
-    other way at the edge of their cell. Integer formats only (a uniform
-    grid of step `scale`); float-format weights keep their grid values, and
-    so does any element whose fake-quantized value would change (a guard).
-    Call it with the weight points' observers off (calib.apply leaves them
-    off; an observer on would move the cells).
+    changes and only the biases learn (a small MLP, w4a8, 40 steps: held-out
+    error 0.997x of the PTQ's; from these latent values 0.86x). The weights
+    GPTQ rounded away from nearest stay at their centres: at their float
+    values they would sit at the edge of the chosen cell, and the first
+    steps would undo GPTQ's choices all at once (all-MiniLM-L6-v2, w4a8, lr
+    1e-4: the held-out cosine fell from 0.980 to 0.925 in 40 steps).
+    Integer formats only (a uniform grid of step `scale`); float-format
+    weights keep their grid values. Call it with the weight points'
+    observers off (calib.apply leaves them off; an observer on would move
+    the cells).
 
     Args:
         prepared: the GraphModule after calibration and the rounding algorithm.
@@ -196,7 +200,9 @@ def latent_weights_in_cells(prepared: torch.fx.GraphModule, floats: dict[str, to
             half = 0.49 * step  # inside the cell, clear of its round-half-even edges
             offset = (floats[path].float() - weight.float()).clamp(-half, half)  # tensors: clamp elementwise
             latent = (weight.float() + offset).to(weight.dtype)
-            latent = torch.where(point(latent) == rounded, latent, weight)
+            # Only where the rounding kept the float value's own cell (the docstring says why).
+            latent = torch.where((point(floats[path].to(weight.dtype)) == rounded) & (point(latent) == rounded),
+                                 latent, weight)
             moved += int((latent != weight).sum())
             weight.copy_(latent)
     return moved
