@@ -7,8 +7,8 @@ Flows, each from the float model:
 - "ours": the one-call PTQ of w4a8 (pipeline.quantize's preset default:
   int8 edges on a CNN, calibration, equalisation, GPTQ, bias correction,
   activation bias correction on a CNN), made ready for QAT by
-  pipeline.start_qat_from_ptq (observers off, GPTQ's weights given their
-  float values inside the chosen rounding cells: the same outputs), then
+  pipeline.start_qat_from_ptq (observers off, the weights GPTQ rounded to
+  nearest given their float values back: the same outputs), then
   `qat.distill`; batch norms are folded into the convs by prepare_pt2e.
   Its "PTQ start" is the PTQ default's result, and "gap closed" is the
   share of the gap between float (100 % agreement, cosine 1) and that PTQ

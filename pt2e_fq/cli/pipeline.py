@@ -261,7 +261,7 @@ def run_ptq_algorithms(prepared, model, batches, name, before_rounding: Optional
 def start_qat_from_ptq(prepared, model, batches, name) -> torch.fx.GraphModule:
     """run_ptq_algorithms, then what QAT from that PTQ needs, in place:
     every observer off (the calibrated ranges stay) and the weights GPTQ
-    rounded given their float values clamped into the chosen rounding cells
+    rounded to nearest given their float values back
     (pt2e_fq.qat.latent_weights_in_cells). The outputs are the PTQ's bit
     for bit; train it with pt2e_fq.qat.distill.
 
@@ -314,10 +314,11 @@ def quantize(
     eval mode (batch norms folded into their convs, dropout off), every
     observer off (the calibrated ranges stay; learnable points' ranges
     train at `qparam_lr`), the fake-quant points passing gradients through
-    their straight-through estimator. Where GPTQ rounded the weights, each
-    weight trains from its float value clamped into the rounding cell GPTQ
-    chose (pt2e_fq.qat.latent_weights_in_cells: the same outputs, and a
-    weight that can change its rounding in a few steps).
+    their straight-through estimator. Where GPTQ rounded a weight to
+    nearest, it trains from its float value, not from the centre of its
+    cell (pt2e_fq.qat.latent_weights_in_cells: the same outputs, and a
+    weight that can change its rounding in a few steps):
+    start_qat_from_ptq.
 
     dynamic_batch=False exports with the example's batch size (a model
     whose batch dimension cannot be dynamic); then every calibration batch
