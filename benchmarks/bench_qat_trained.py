@@ -5,10 +5,14 @@ loss and optimizer.
 
 Flows, each from the float model:
 - "ours": the one-call PTQ of w4a8 (pipeline.quantize's preset default:
-  int8 edges on a CNN, calibration, GPTQ and bias correction), then
-  `qat.distill` on that prepared model: batch norms folded into the convs
-  by prepare_pt2e (frozen from the first step), observers off (the ranges
-  of the calibration; with learnable ranges, the optimizer moves them);
+  int8 edges on a CNN, calibration, equalisation, GPTQ, bias correction,
+  activation bias correction on a CNN), made ready for QAT by
+  pipeline.start_qat_from_ptq (observers off, the weights GPTQ rounded to
+  nearest given their float values back: the same outputs), then
+  `qat.distill`; batch norms are folded into the convs by prepare_pt2e.
+  Its "PTQ start" is the PTQ default's result, and "gap closed" is the
+  share of the gap between float (100 % agreement, cosine 1) and that PTQ
+  default that a flow's QAT closes;
 - "ours learnable": the same with presets.learnable_ranges (LSQ scales,
   LSQ+ offsets of the asymmetric activations, their own learning rate);
 - "XNNPACKQuantizer QAT": torchao's prepare_qat_pt2e on a train-mode export
@@ -18,11 +22,12 @@ Flows, each from the float model:
   calibration so that the calibration forwards do not move them), the same
   distill call, then the eval switch and torchao's convert_pt2e.
 
-QAT data are the calibration draw (benchmarks/trained_models.py: sources
-disjoint from the held-out set); the held-out metric is top-1 agreement
-with the float model (EfficientNet-Lite0) or mean cosine to its embeddings
-(MiniLM), ± one standard error. Loss: KL at a temperature on logits, 1 -
-cosine on embeddings; Adam with a cosine decay.
+Calibration uses the calibration draw; QAT trains on a larger draw from the
+same sources (trained_models.qat_image_data / qat_sentence_data: sources
+disjoint from the held-out set; images flipped at random). The held-out
+metric is top-1 agreement with the float model (EfficientNet-Lite0) or
+mean cosine to its embeddings (MiniLM), ± one standard error. Loss: KL at a
+temperature on logits, 1 - cosine on embeddings; Adam with a cosine decay.
 
     python benchmarks/bench_qat_trained.py            # the documented table
     python benchmarks/bench_qat_trained.py --quick    # fewer steps and samples
@@ -44,32 +49,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import trained_models as tm  # noqa: E402
 
-from pt2e_fq import calib, qat  # noqa: E402
+from pt2e_fq import qat  # noqa: E402
 from pt2e_fq.cli import pipeline  # noqa: E402
 from pt2e_fq.flow import convert_pt2e, move_exported_model_to_eval  # noqa: E402
 from quantizers import presets  # noqa: E402
 
 MODELS = ("efficientnet_lite0", "minilm")
 PRESET = "w4a8"
-# Per model: the metric, the distillation loss, and (full, quick) sizes: calibration/QAT samples,
-# held-out samples, steps. Learning rates: weights `lr`, learnable ranges `qparam_lr`.
+# Per model: the metric, the distillation loss, and (full, quick) sizes: calibration samples, QAT
+# samples, held-out samples, steps. Learning rates: weights `lr`, learnable ranges `qparam_lr`.
 SETUPS = {
-    "efficientnet_lite0": dict(metric="top1", loss="kl", temperature=2.0, lr=1e-5, qparam_lr=1e-4,
-                               full=(64, 128, 80), quick=(32, 32, 10), batch=8),
-    "minilm": dict(metric="cosine", loss="cosine", temperature=1.0, lr=2e-5, qparam_lr=1e-4,
-                   full=(128, 256, 200), quick=(64, 64, 20), batch=16),
+    "efficientnet_lite0": dict(metric="top1", loss="kl", temperature=2.0, lr=1e-4, qparam_lr=1e-5,
+                               full=(64, 512, 256, 300), quick=(32, 128, 32, 20), batch=8),
+    "minilm": dict(metric="cosine", loss="cosine", temperature=1.0, lr=1e-4, qparam_lr=1e-5,
+                   full=(128, 768, 512, 500), quick=(64, 256, 64, 40), batch=16),
 }
 DIGITS = {"top1": 1, "cosine": 4}
+FLOAT = {"top1": 100.0, "cosine": 1.0}  # the float model's own score
 
 
 def _data(name: str, model, quick: bool):
     setup = SETUPS[name]
-    train_n, held_n, steps = setup["quick" if quick else "full"]
+    calibration_n, qat_n, held_n, steps = setup["quick" if quick else "full"]
     if name == "efficientnet_lite0":
-        data, held_out = tm.image_data(train_n, held_n, batch=setup["batch"])
-        return data, held_out, tm.classifier_metrics, steps
-    data, held_out = tm.sentence_data(model.tokenizer, train_n, held_n, batch=setup["batch"])
-    return data, held_out, tm.embedding_metrics, steps
+        calibration, held_out = tm.image_data(calibration_n, held_n, batch=setup["batch"])
+        return calibration, tm.qat_image_data(qat_n, batch=setup["batch"]), held_out, tm.classifier_metrics, steps
+    calibration, held_out = tm.sentence_data(model.tokenizer, calibration_n, held_n, batch=setup["batch"])
+    qat_data = tm.qat_sentence_data(model.tokenizer, qat_n, batch=setup["batch"])
+    return calibration, qat_data, held_out, tm.embedding_metrics, steps
 
 
 def _flip(inputs: tuple) -> tuple:
@@ -103,8 +110,7 @@ def _ours(model, data, learnable: bool):
         presets.learnable_ranges(config)
     prepared = pipeline.prepare(model, data[0], config)
     pipeline.calibrate(prepared, data, progress=False)
-    calib.apply(prepared, data)
-    return prepared
+    return pipeline.start_qat_from_ptq(prepared, model, data, PRESET)
 
 
 def _ours_convert(prepared):
@@ -114,30 +120,35 @@ def _ours_convert(prepared):
 def run(name: str, quick: bool, flows) -> list:
     model = tm.efficientnet_lite0() if name == "efficientnet_lite0" else tm.minilm()
     setup = SETUPS[name]
-    data, held_out, metrics, steps = _data(name, model, quick)
+    calibration, qat_data, held_out, metrics, steps = _data(name, model, quick)
     reference = tm.outputs(model, held_out)
     key, digits = setup["metric"], DIGITS[setup["metric"]]
 
     def metric(converted):
         return metrics(reference, tm.outputs(converted, held_out))[key]
 
-    rows = []
+    rows, ptq_default = [], None
     for flow in flows:
         torch.manual_seed(0)
         if flow == "XNNPACKQuantizer QAT":
-            prepared, convert = _stock_qat(model, data), _stock_convert
+            prepared, convert = _stock_qat(model, calibration), _stock_convert
         else:
-            prepared, convert = _ours(model, data, learnable=flow == "ours learnable"), _ours_convert
+            prepared, convert = _ours(model, calibration, learnable=flow == "ours learnable"), _ours_convert
         start = metric(convert(prepared))
-        history = qat.distill(prepared, model, data, steps=steps, loss=setup["loss"],
+        if flow == "ours":
+            ptq_default = start.value
+        history = qat.distill(prepared, model, qat_data, steps=steps, loss=setup["loss"],
                               temperature=setup["temperature"], lr=setup["lr"], qparam_lr=setup["qparam_lr"],
                               freeze_observers_after=0, augment=_flip if name == "efficientnet_lite0" else None,
                               progress=False, desc=f"{name} {flow}")
         after = metric(convert(prepared))
         losses = history.losses
-        rows.append((name, flow, PRESET, steps, format(start, f".{digits}f"), format(after, f".{digits}f"),
-                     f"{sum(losses[:5]) / 5:.4g} -> {sum(losses[-5:]) / 5:.4g}", f"{history.seconds:.0f}"))
+        rows.append([name, flow, PRESET, steps, format(start, f".{digits}f"), format(after, f".{digits}f"),
+                     after.value, f"{sum(losses[:5]) / 5:.4g} -> {sum(losses[-5:]) / 5:.4g}",
+                     f"{history.seconds:.0f}"])
         print("  " + " | ".join(map(str, rows[-1])), flush=True)
+    for row in rows:  # the share of the float - PTQ default gap closed, once the default is known
+        row[6] = "-" if ptq_default is None else f"{(row[6] - ptq_default) / (FLOAT[key] - ptq_default):.0%}"
     return rows
 
 
@@ -157,7 +168,7 @@ def main(argv=None) -> None:
     for name in args.models:
         rows += run(name, args.quick, args.flows)
     print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} thread(s), {time.perf_counter() - start:.0f} s")
-    print(tabulate(rows, headers=("model", "flow", "preset", "steps", "PTQ start", "after QAT",
+    print(tabulate(rows, headers=("model", "flow", "preset", "steps", "PTQ start", "after QAT", "gap closed",
                                   "train loss (first 5 -> last 5)", "QAT s"), tablefmt="github"))
 
 

@@ -119,6 +119,7 @@ HELD_OUT_IMAGES = ("astronaut", "coffee", "chelsea", "rocket", "stereo_motorcycl
                    "sklearn:china.jpg", "sklearn:flower.jpg")
 CALIBRATION_CROPS, HELD_OUT_CROPS, IMAGE_BATCH = 64, 256, 16
 CALIBRATION_SEED, HELD_OUT_SEED = 0, 1
+QAT_SEED = 2  # QAT data: another draw from the calibration sources (qat_image_data, qat_sentence_data)
 
 
 def _load_image(source: str) -> torch.Tensor:
@@ -190,6 +191,13 @@ def image_data(calibration_crops: int = CALIBRATION_CROPS, held_out_crops: int =
             _image_set(HELD_OUT_IMAGES, held_out_crops, HELD_OUT_SEED, batch))
 
 
+def qat_image_data(crops: int, batch: int = IMAGE_BATCH) -> list[torch.Tensor]:
+    """Batches of `crops` crops of the calibration images (seed QAT_SEED):
+    QAT data, as many as fine-tuning wants, from the calibration sources
+    only (disjoint from the held-out set)."""
+    return _image_set(CALIBRATION_IMAGES, crops, QAT_SEED, batch)
+
+
 # -- sentences ---------------------------------------------------------------
 
 CALIBRATION_MODULES = ("collections", "functools", "os", "re", "shutil", "string", "textwrap", "typing",
@@ -241,16 +249,26 @@ def sentence_data(tokenizer, calibration_sentences: int = CALIBRATION_SENTENCES,
     held_out = _sentence_set(HELD_OUT_MODULES, held_out_sentences, HELD_OUT_SEED)
     overlap = set(calibration) & set(held_out)
     calibration = [s for s in calibration if s not in overlap]  # a docstring shared by two modules
+    return _tokenized(tokenizer, calibration, batch), _tokenized(tokenizer, held_out, batch)
 
-    def batches(sentences):
-        out = []
-        for i in range(0, len(sentences), batch):
-            enc = tokenizer(sentences[i:i + batch], padding="max_length", truncation=True, max_length=MAX_TOKENS,
-                            return_tensors="pt")
-            out.append((enc["input_ids"], enc["attention_mask"]))
-        return out
 
-    return batches(calibration), batches(held_out)
+def qat_sentence_data(tokenizer, sentences: int, batch: int = TEXT_BATCH):
+    """Batches of `sentences` sentences of the calibration modules (seed
+    QAT_SEED; at most the 848 of their pool): QAT data from the calibration
+    sources only, none of them a held-out sentence."""
+    held_out = {s for m in HELD_OUT_MODULES for s in _sentences(m)}  # any held-out draw's pool
+    chosen = [s for s in _sentence_set(CALIBRATION_MODULES, sentences, QAT_SEED) if s not in held_out]
+    return _tokenized(tokenizer, chosen, batch)
+
+
+def _tokenized(tokenizer, sentences: Sequence[str], batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(input_ids, attention_mask) batches padded to MAX_TOKENS."""
+    out = []
+    for i in range(0, len(sentences), batch):
+        enc = tokenizer(sentences[i:i + batch], padding="max_length", truncation=True, max_length=MAX_TOKENS,
+                        return_tensors="pt")
+        out.append((enc["input_ids"], enc["attention_mask"]))
+    return out
 
 
 # -- metrics -----------------------------------------------------------------

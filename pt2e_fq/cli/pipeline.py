@@ -32,6 +32,7 @@ import warnings
 from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
+from torchao.quantization.pt2e import disable_observer
 from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e, prepare_qat_pt2e
 from tqdm import tqdm
 
@@ -222,7 +223,7 @@ def train(
     return losses
 
 
-def run_ptq_algorithms(prepared, model, batches, name):
+def run_ptq_algorithms(prepared, model, batches, name, before_rounding: Optional[Callable] = None):
     """Runs a preset's post-training algorithms on a calibrated `prepared`
     model: pt2e_fq.calib.apply with those of presets.PTQ_ALGORITHMS[name],
     then, when `model` is convolutional, those of
@@ -233,15 +234,51 @@ def run_ptq_algorithms(prepared, model, batches, name):
         model: the float model it was exported from (decides the CNN step).
         batches: the calibration batches (tuples of tensors).
         name: the preset's name, or None (nothing runs).
+        before_rounding: callable(prepared) run after equalisation and
+            before the rounding replaces the weights (QAT keeps their float
+            values: pt2e_fq.qat.float_weights); None: calib.apply runs both.
 
     Returns:
-        calib.apply's CalibReport, or None when the preset runs no algorithm."""
+        calib.apply's CalibReport (with a hook, its `equalized` and
+        `algorithms` cover the equalisation run before it), or None when
+        the preset runs no algorithm."""
     report = None
     if name in presets.PTQ_ALGORITHMS:
-        report = calib.apply(prepared, batches, equalization="equalization" in presets.PTQ_ALGORITHMS[name])
+        equalization = "equalization" in presets.PTQ_ALGORITHMS[name]
+        if before_rounding is None:
+            report = calib.apply(prepared, batches, equalization=equalization)
+        else:
+            equalized = calib.equalize(prepared, batches) if equalization else []
+            before_rounding(prepared)
+            report = calib.apply(prepared, batches)
+            if equalization:
+                report.algorithms, report.equalized = ("equalization",) + report.algorithms, equalized
     if name in presets.CNN_PTQ_ALGORITHMS and presets.is_convolutional(model):
         calib.correct_activation_bias(prepared, batches)
     return report
+
+
+def start_qat_from_ptq(prepared, model, batches, name) -> torch.fx.GraphModule:
+    """run_ptq_algorithms, then what QAT from that PTQ needs, in place:
+    every observer off (the calibrated ranges stay) and the weights GPTQ
+    rounded to nearest given their float values back
+    (pt2e_fq.qat.latent_weights_in_cells). The outputs are the PTQ's bit
+    for bit; train it with pt2e_fq.qat.distill.
+
+    Args:
+        prepared: the calibrated GraphModule of prepare_pt2e.
+        model: the float model it was exported from.
+        batches: the calibration batches (tuples of tensors).
+        name: the preset whose algorithms run, or None (none).
+
+    Returns:
+        `prepared`."""
+    floats = {}
+    run_ptq_algorithms(prepared, model, batches, name, before_rounding=lambda gm: floats.update(qat.float_weights(gm)))
+    prepared.apply(disable_observer)
+    if floats:
+        qat.latent_weights_in_cells(prepared, floats)
+    return prepared
 
 
 def quantize(
@@ -252,6 +289,7 @@ def quantize(
     calibration: Optional[Sequence] = None,
     qat_steps: int = 0,
     lr: float = 1e-4,
+    qparam_lr: Optional[float] = None,
     loss: str = "mse",
     temperature: float = 1.0,
     progress: bool = True,
@@ -265,29 +303,64 @@ def quantize(
     depthwise convs and classifier at int8 weights (presets.int8_edges), and
     pt2e_fq.calib.apply runs the algorithms of presets.PTQ_ALGORITHMS
     between calibration and convert (on a convolutional network followed
-    by calib.correct_activation_bias: presets.CNN_PTQ_ALGORITHMS). With
-    qat_steps > 0: prepare for QAT, calibrate, then train `qat_steps` steps
-    to match the float model's outputs on the calibration batches
-    (pt2e_fq.qat.distill: Adam at `lr` with a cosine decay; `loss` "mse",
-    "cosine" or "kl" at `temperature` for logits), learnable ranges with
-    the rest (their observers off after calibration), freeze and convert.
+    by calib.correct_activation_bias: presets.CNN_PTQ_ALGORITHMS).
+
+    With qat_steps > 0, QAT starts from that PTQ (the same prepared model,
+    the same algorithms: its converted output before the first step is the
+    PTQ result) and trains it `qat_steps` steps to match the float model's
+    outputs on the calibration batches (pt2e_fq.qat.distill: Adam at `lr`
+    with a cosine decay; `loss` "mse", "cosine" or "kl" at `temperature`
+    for logits). The model is trained as prepare_pt2e left it: exported in
+    eval mode (batch norms folded into their convs, dropout off), every
+    observer off (the calibrated ranges stay; learnable points' ranges
+    train at `qparam_lr`), the fake-quant points passing gradients through
+    their straight-through estimator. Where GPTQ rounded a weight to
+    nearest, it trains from its float value, not from the centre of its
+    cell (pt2e_fq.qat.latent_weights_in_cells: the same outputs, and a
+    weight that can change its rounding in a few steps):
+    start_qat_from_ptq.
+
     dynamic_batch=False exports with the example's batch size (a model
     whose batch dimension cannot be dynamic); then every calibration batch
-    must have it. The model is not changed."""
+    must have it. The model is not changed.
+
+    Args:
+        model: the float model (its parameters are not changed).
+        example_inputs: a tensor or a tuple of tensors, the model's input.
+        config: a preset name, a QuantizerConfig or a FakeQuantQuantizer.
+        calibration: calibration (and QAT) batches; default: the example.
+        qat_steps: distillation steps after PTQ (0: PTQ only).
+        lr: the weights' learning rate in QAT.
+        qparam_lr: the learnable ranges' learning rate in QAT (None: `lr`).
+        loss: the distillation loss (pt2e_fq.qat.distill).
+        temperature: the softmax temperature of "kl".
+        progress: show tqdm bars.
+        dynamic_batch: export with a dynamic batch dimension.
+        algorithms: run a preset's post-training algorithms and int8 edges.
+
+    Returns:
+        The converted GraphModule.
+
+    Raises:
+        ValueError: qat_steps < 0 or no calibration batch.
+        ExportError: torch.export cannot export the model.
+        TrainingDiverged: QAT's loss or a parameter became NaN or infinite.
+    """
     if qat_steps < 0:
         raise ValueError(f"quantize: qat_steps must be >= 0, got {qat_steps}")
     example = as_args(example_inputs)
     batches = [as_args(b) for b in (calibration if calibration is not None else [example])]
     if not batches:
         raise ValueError("quantize: calibration holds no batch")
-    name = config if algorithms and qat_steps == 0 and isinstance(config, str) else None
+    name = config if algorithms and isinstance(config, str) else None
     if name in presets.INT8_EDGE_PRESETS:
         config = presets.int8_edges(presets.get_preset(name), model)
-    prepared = prepare(model, example, config, qat=qat_steps > 0, dynamic_batch=dynamic_batch)
+    prepared = prepare(model, example, config, dynamic_batch=dynamic_batch)
     calibrate(prepared, batches, progress=progress)
-    run_ptq_algorithms(prepared, model, batches, name)
-    if qat_steps > 0:
-        qat.distill(prepared, model, batches, steps=qat_steps, loss=loss, temperature=temperature, lr=lr,
-                    progress=progress, desc="QAT")
-        freeze_qat(prepared, batches[0])
+    if qat_steps == 0:
+        run_ptq_algorithms(prepared, model, batches, name)
+        return convert(prepared)
+    start_qat_from_ptq(prepared, model, batches, name)
+    qat.distill(prepared, model, batches, steps=qat_steps, loss=loss, temperature=temperature, lr=lr,
+                qparam_lr=qparam_lr, progress=progress, desc="QAT")
     return convert(prepared)
