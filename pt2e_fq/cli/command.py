@@ -356,6 +356,13 @@ def program_inputs(program) -> InputSpec:
     return spec
 
 
+def _plain_preset(args):
+    """--preset's config with no target: the preset's QAT form with --qat-steps."""
+    from quantizers import presets
+
+    return presets.get_preset(args.preset, qat=getattr(args, "qat_steps", 0) > 0)
+
+
 def quantizer_config(args):
     from quantizers import ConfigError, QuantizerConfig, presets
 
@@ -374,7 +381,7 @@ def quantizer_config(args):
         if getattr(args, "target", None) == "x86_inductor":
             # Inductor has no int8 matmul of two activations: matmul and bmm float (docs/export.md).
             return presets.get_preset(args.preset, target="x86_inductor", qat=qat)
-        return presets.get_preset(args.preset, qat=qat)
+        return _plain_preset(args)
     if not Path(args.config).is_file():
         raise UsageError(f"--config: no such file {args.config!r}")
     try:
@@ -477,7 +484,9 @@ def cmd_quantize(args) -> int:
         config.save(args.save_config)
         print(f"saved {args.save_config}")
     try:
-        converted = pipeline.quantize(model, example, config, calibration=calibration, qat_steps=args.qat_steps,
+        # A plain preset goes by its name: pipeline.quantize then runs its defaults (int8 edges, calib algorithms).
+        how = args.preset if args.preset and args.mixed_budget is None and config == _plain_preset(args) else config
+        converted = pipeline.quantize(model, example, how, calibration=calibration, qat_steps=args.qat_steps,
                                       lr=args.lr, loss=args.qat_loss,
                                       temperature=2.0 if args.qat_loss == "kl" else 1.0, progress=not args.no_progress, dynamic_batch=not args.static_batch)
     except pipeline.ExportError as e:

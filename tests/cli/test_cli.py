@@ -416,3 +416,17 @@ def test_any_other_failure_is_one_line_with_exit_status_1(capsys):
     err = _one_line_error(capsys, 1, "quantize", "--model", "tests.models.cli:broken", "--example-input", "8x16",
                           "--preset", "w8a8")
     assert err == "pt2e-fq quantize: error: RuntimeError: boom: the factory failed (--traceback for details)"
+
+
+def test_a_plain_preset_runs_its_defaults(capsys, tmp_path):
+    """`quantize --preset w4a8` on a CNN is pipeline.quantize's preset
+    default, as the one-call Python entry: the first conv, the depthwise
+    conv and the classifier keep int8 weights (presets.int8_edges), the
+    pointwise conv has int4 groups."""
+    calib = tmp_path / "calib.pt"
+    torch.save(torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0)), calib)
+    rc, out, err = cli_main(capsys, "quantize", "--model", "tests.models.cli:tiny_cnn", "--example-input", "2x3x8x8",
+                            "--no-progress", "--preset", "w4a8", "--calib-data", str(calib))
+    assert rc == 0, err
+    formats = {m.group(1): m.group(2) for m in re.finditer(r"weight of (\w+)\s+(INT\d)", out)}
+    assert formats == {"conv2d": "INT8", "conv2d_1": "INT8", "conv2d_2": "INT4", "linear": "INT8"}, out

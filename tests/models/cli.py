@@ -33,3 +33,12 @@ def two_inputs() -> nn.Module:
 
 def broken():
     raise RuntimeError("boom: the factory failed")
+
+
+def tiny_cnn() -> nn.Module:
+    """A first conv, a depthwise conv, a pointwise conv and a classifier (the
+    layers presets.int8_edges keeps at int8 weights are the first, the
+    depthwise and the last)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.ReLU(),
+                         nn.Conv2d(8, 16, 1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4))
