@@ -238,7 +238,9 @@ def run_ptq_algorithms(prepared, model, batches, name):
         calib.apply's CalibReport, or None when the preset runs no algorithm."""
     report = None
     if name in presets.PTQ_ALGORITHMS:
-        report = calib.apply(prepared, batches, equalization="equalization" in presets.PTQ_ALGORITHMS[name])
+        row = presets.PTQ_ALGORITHMS[name]
+        report = calib.apply(prepared, batches, equalization="equalization" in row,
+                             activation_ranges="activation_ranges" in row)
     if name in presets.CNN_PTQ_ALGORITHMS and presets.is_convolutional(model):
         calib.correct_activation_bias(prepared, batches)
     return report
