@@ -8,17 +8,19 @@ per-tensor grid, the range that serves the large channels rounds the
 small ones away, and how much each channel matters is in the weight.
 
 Per point, with X its input (as the prepared model gives it: upstream
-points quantizing) on columns sampled from the calibration batches, W a
-reader's float weight and Qw(W) the same weight through its own
-fake-quant point (round to nearest on its calibrated grid), a candidate
-range r costs
+points quantizing) on columns sampled from the calibration batches and
+Wq a reader's weight as it will be quantized (through its own fake-quant
+point, on its calibrated grid), a candidate range r costs
 
-    sum over readers of ||W X - Qw(W) Qa_r(X)||^2 / ||W X||^2,
+    sum over readers of ||Wq X - Wq Qa_r(X)||^2 / ||Wq X||^2,
 
-each reader's output error relative to its output power (a reader's
-output scale is arbitrary: q, k and v of one attention count alike
-whatever their weights' norms). Qa_r is the point's own op with the
-qparams of r (its QSpec: asymmetric or symmetric, ZP or MINVAL).
+the output error the point's rounding and clipping cause, each reader's
+relative to its output power (a reader's output scale is arbitrary: q, k
+and v of one attention count alike whatever their weights' norms). The
+weight's own rounding error is left out: GPTQ, which runs next, rounds the
+weights again for the chosen grid (with it in, a 4-bit weight's error
+decided the ranges). Qa_r is the point's own op with the qparams of r
+(its QSpec: asymmetric or symmetric, ZP or MINVAL: the scheme is kept).
 Candidates: the calibrated qparams themselves (so the result is never
 worse on the sampled calibration columns), and ranges whose ends are
 fractions of the observed range's (the running min / max of the point's
@@ -26,7 +28,7 @@ observer, else the calibrated range): `grid` fractions spaced
 geometrically from 1/64 to 1, then `grid` as many within one such step
 either side of the best. For a symmetric scheme both ends move together;
 for an asymmetric one, the upper end with the lower fixed, then the lower
-with the best upper, twice over (coordinate descent). All candidates of a stage are evaluated in one
+with the best upper, at each of the two resolutions (coordinate descent). All candidates of a stage are evaluated in one
 batched op call and one batched matmul per reader.
 
 A point read by anything but a layer's input (an attention matmul, an
@@ -157,12 +159,12 @@ class _Scorer:
 
     def __init__(self, gm, target: _Target):
         self.point = target.point
-        self.readers = []  # (columns (g, n, m), float output W X (g, o, m), Qw(W) (g, o, n), ||W X||^2)
+        self.readers = []  # (columns X (g, n, m), Wq X (g, o, m), Wq (g, o, n), ||Wq X||^2)
         for layer in target.readers:
             x = torch.cat(target.columns.pop(layer.node), dim=-1)
-            w = layer.as_matrix(layer.weight(gm).float())
-            y = w @ x
-            self.readers.append((x, y, layer.quantize(w), y.double().pow(2).sum().item()))
+            wq = layer.quantize(layer.as_matrix(layer.weight(gm).float()))
+            y = wq @ x
+            self.readers.append((x, y, wq, y.double().pow(2).sum().item()))
 
     def qparams(self, ranges: torch.Tensor) -> dict:
         """The point's qparams for each row (lo, hi) of `ranges`, shape (K,)."""
@@ -212,27 +214,21 @@ def _search(gm, target: _Target, grid: int) -> RangeResult:
             best_qparams = {k: v[i:i + 1] for k, v in qparams.items()}
             best_range = (ranges[i, 0].item(), ranges[i, 1].item())
 
-    def stage(vary_lo: bool, vary_hi: bool):
-        """The coarse fractions of the observed ends, then `grid` within one coarse step either side of the best."""
-        for refine in (False, True):
+    if lo_ref == hi_ref:  # a constant input: every range gives it exactly
+        moves = []
+    elif point.qspec.scheme in _SYMMETRIC:  # both ends together
+        moves = [(True, True)]
+    else:  # the upper end, then the lower (coordinate descent)
+        moves = [(False, True)] * (hi_ref > 0) + [(True, False)] * (lo_ref < 0)
+    for refine in (False, True):
+        for vary_lo, vary_hi in moves:
             lo, hi = best_range
             f = fractions
-            if refine:
+            if refine:  # `grid` fractions within one coarse step either side of the best
                 best = hi / hi_ref if vary_hi and hi_ref != 0 else lo / lo_ref
                 f = (best * ratio ** torch.linspace(-1, 1, grid, dtype=torch.float64)).clamp(max=1)
             consider(torch.stack([lo_ref * f if vary_lo else torch.full_like(f, lo),
                                   hi_ref * f if vary_hi else torch.full_like(f, hi)], dim=1))
-
-    if lo_ref == hi_ref:  # a constant input: one grid whatever the range
-        pass
-    elif point.qspec.scheme in _SYMMETRIC:
-        stage(True, True)
-    else:
-        for _ in range(2):
-            if hi_ref > 0:
-                stage(False, True)
-            if lo_ref < 0:
-                stage(True, False)
     with torch.no_grad():
         for name, value in best_qparams.items():
             buffer = point.calculate_qparams()[name]
@@ -242,7 +238,7 @@ def _search(gm, target: _Target, grid: int) -> RangeResult:
                        _calibrated_range(point), _db(before, readers), _db(best_error, readers))
 
 
-def search_activation_ranges(prepared: torch.fx.GraphModule, batches: Iterable, *, grid: int = 20,
+def search_activation_ranges(prepared: torch.fx.GraphModule, batches: Iterable, *, grid: int = 16,
                              max_columns: int = 2048, seed: int = 0) -> list[RangeResult]:
     """Chooses the range of every static per-tensor integer activation point
     of `prepared` (calibrated) that only convs and linears with a weight

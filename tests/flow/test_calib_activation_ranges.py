@@ -67,12 +67,13 @@ def _relu_int8(y, hi):
 
 
 def _relative_error(model, y, yq):
-    """Sum over the readers of ||W y - Qw(W) yq||^2 / ||W y||^2, for each of yq's (K, ...) inputs."""
+    """Sum over the readers of ||Wq y - Wq yq||^2 / ||Wq y||^2 (Wq: the int8 weight), for each of yq's
+    (K, ...) inputs."""
     total = 0.0
     for name in model.names:
-        w = getattr(model, name).weight.detach()
-        ref = y @ w.T
-        total = total + ((ref - yq @ _weight_rtn(w).T).double().pow(2).sum((-1, -2)) / ref.double().pow(2).sum())
+        wq = _weight_rtn(getattr(model, name).weight.detach())
+        ref = y @ wq.T
+        total = total + ((ref - yq @ wq.T).double().pow(2).sum((-1, -2)) / ref.double().pow(2).sum())
     return total
 
 
@@ -93,8 +94,7 @@ def test_chosen_range_matches_brute_force_and_beats_min_max(readers):
     min_max = _relative_error(model, y, _relu_int8(y, top)).item()
     upper_ends = top * torch.arange(1, 1001) / 1000
     brute = _relative_error(model, y, _relu_int8(y, upper_ends))
-    assert chosen <= brute.min().item() * 1.01
-    assert results[0].chosen[1] == pytest.approx(upper_ends[brute.argmin()].item(), rel=0.1)  # a flat minimum
+    assert chosen <= brute.min().item() * 1.01  # the minimum is flat: its place is not compared
     assert results[0].chosen[0] == 0.0
     if readers == ("clip",):  # the outlier channel barely matters: the range clips it hard
         assert chosen < min_max / 4 and results[0].chosen[1] < top.item() / 3
