@@ -157,3 +157,12 @@ def test_bad_arguments_are_errors():
         search_activation_ranges(prepared, batches, max_columns=0)
     points = [m for m in prepared.modules() if isinstance(m, FakeQuantize)]
     assert all(m._observer_on for m in points)  # a refused call changes nothing
+
+
+def test_w8a8_one_call_runs_the_search():
+    """presets.PTQ_ALGORITHMS names the search for w8a8: pipeline.run_ptq_algorithms runs it."""
+    model, prepared, batches = _prepared()
+    report = pipeline.run_ptq_algorithms(prepared, model, [(b,) for b in batches], "w8a8")
+    assert "activation_ranges" in report.algorithms
+    assert [r.consumers for r in report.ranges] == [("clip.weight",)]
+    assert report.ranges[0].chosen != report.ranges[0].calibrated
