@@ -14,6 +14,13 @@ into its weight, folded exactly into the op before (a LayerNorm's affine, a prev
 points whose input changed calibrated again on the batches; the report's
 `equalized` lists each group with its output SQNR before / after.
 
+With `activation_ranges=True`, `apply` then runs
+calib.search_activation_ranges (module calib.activation_ranges): the
+range of each static per-tensor integer activation point that feeds
+convs and linears chosen for the smallest output error of those layers;
+the report's `ranges` lists each point with its range and its readers'
+output SQNR before / after.
+
 `apply` works on every linear and conv2d whose weight has one of our
 fake-quant points (any format and granularity: the point's own op is the
 quantize function). It collects each layer's input statistics in one pass
@@ -45,11 +52,13 @@ import torch
 from . import layers as _layers
 from . import statistics as _statistics
 from .activation_bias import correct_activation_bias
+from .activation_ranges import RangeResult, search_activation_ranges
 from .bias_correction import bias_correction
 from .equalization import EqualizeResult, equalize
 from .gptq import gptq
 
-__all__ = ["apply", "equalize", "CalibReport", "EqualizeResult", "LayerResult", "correct_activation_bias"]
+__all__ = ["apply", "equalize", "CalibReport", "EqualizeResult", "LayerResult", "RangeResult", "correct_activation_bias",
+           "search_activation_ranges"]
 
 
 @dataclass
@@ -75,6 +84,7 @@ class CalibReport:
     cpu_seconds: float
     layers: list = field(default_factory=list)
     equalized: list = field(default_factory=list)  # EqualizeResults, where equalization ran
+    ranges: list = field(default_factory=list)  # RangeResults, where the activation range search ran
 
     def worst(self, count: int = 5) -> list:
         return sorted(self.layers, key=lambda r: r.after_db)[:count]
@@ -91,6 +101,12 @@ class CalibReport:
                       for r in self.equalized]
             text += "\n" + tabulate(groups, headers=("equalized: producer", "linears", "scale", "SQNR dB",
                                                       "SQNR after dB"))
+        if self.ranges:
+            points = [(r.point, ", ".join(r.consumers), f"[{r.calibrated[0]:.3g}, {r.calibrated[1]:.3g}]",
+                       f"[{r.chosen[0]:.3g}, {r.chosen[1]:.3g}]", f"{r.before_db:.1f}", f"{r.after_db:.1f}")
+                      for r in self.ranges]
+            text += "\n" + tabulate(points, headers=("activation point", "read by", "calibrated range",
+                                                      "chosen range", "SQNR dB", "SQNR after dB"))
         return text
 
 
@@ -107,18 +123,24 @@ def _output_sqnr(weight: torch.Tensor, error: torch.Tensor, second_moment: torch
 
 def apply(prepared: torch.fx.GraphModule, batches: Iterable, *, gptq_rounding: bool = True,
           correct_bias: bool = True, block: int = 128, damp: float = 0.01,
-          equalization: bool = False) -> CalibReport:
+          equalization: bool = False, activation_ranges: bool = False) -> CalibReport:
     """Runs the algorithms on `prepared` (calibrated: its weight points hold
     qparams) with `batches` (tensors or tuples of tensors, as for
     calibration); returns the per-layer report. gptq_rounding=False keeps
     round-to-nearest weights (bias correction alone); equalization=True
-    runs calib.equalize first (calib.equalization) (module doc)."""
+    runs calib.equalize first (calib.equalization); activation_ranges=True
+    runs calib.search_activation_ranges next (calib.activation_ranges)
+    (module doc)."""
     if not isinstance(prepared, torch.fx.GraphModule):
         raise TypeError(f"calib.apply: prepared must be the GraphModule of prepare_pt2e, got "
                         f"{type(prepared).__name__}")
     start, cpu_start = time.perf_counter(), time.process_time()
     batches = list(batches)
     equalized = equalize(prepared, batches) if equalization else []
+    # After equalisation (which replaces and recalibrates the points whose input it scales) and
+    # before the statistics GPTQ and bias correction use: they see each layer's input through its
+    # point, so the weights are rounded for the activation grid that convert keeps.
+    ranges = search_activation_ranges(prepared, batches) if activation_ranges else []
     found = _layers.find_layers(prepared)
     points = [m for m in prepared.modules() if hasattr(m, "enable_observer")]
     observing = {id(m): bool(getattr(m, "_observer_on", False)) for m in points}
@@ -130,9 +152,9 @@ def apply(prepared: torch.fx.GraphModule, batches: Iterable, *, gptq_rounding: b
         for m in points:
             m.enable_observer(observing[id(m)])
         raise
-    algorithms = tuple(name for name, on in (("equalization", equalization), ("gptq", gptq_rounding),
-                                             ("bias_correction", correct_bias)) if on)
-    report = CalibReport(algorithms, 0.0, 0.0, equalized=equalized)
+    algorithms = tuple(name for name, on in (("equalization", equalization), ("activation_ranges", activation_ranges),
+                                             ("gptq", gptq_rounding), ("bias_correction", correct_bias)) if on)
+    report = CalibReport(algorithms, 0.0, 0.0, equalized=equalized, ranges=ranges)
     weight_points = {id(layer.point) for layer in found}
     for layer in found:
         s = stats[layer.node]

@@ -19,6 +19,25 @@ _CONV_CHUNK = 4
 _FP64_COLUMNS = 64
 
 
+def input_columns(layer: Layer, x: torch.Tensor):
+    """The (groups, n, m) fp32 input columns of x for `layer` (its weight
+    matrix times them gives its output without bias), a chunk of samples at
+    a time for a conv that unfolds its input."""
+    x = x.detach().float()
+    if not layer.is_conv:
+        yield x.reshape(-1, x.shape[-1]).T.unsqueeze(0)
+        return
+    stride, padding, dilation, groups = layer.conv_args()
+    kernel = tuple(layer.weight_shape[2:])
+    if kernel == (1, 1) and stride == (1, 1) and padding == (0, 0):  # a pointwise conv needs no unfold
+        yield x.transpose(0, 1).reshape(groups, x.shape[1] // groups, -1)
+        return
+    for chunk in x.split(_CONV_CHUNK):
+        cols = F.unfold(chunk, kernel, dilation=dilation, padding=padding, stride=stride)  # (B, C*kh*kw, L)
+        b, n, l = cols.shape
+        yield cols.reshape(b, groups, n // groups, l).permute(1, 2, 0, 3).reshape(groups, n // groups, b * l)
+
+
 class InputStatistics:
     """Running sums of x x^T and x over a layer's input columns."""
 
@@ -28,23 +47,8 @@ class InputStatistics:
         self.xx = None  # (groups, n, n), float64
         self.x = None  # (groups, n), float64
 
-    def _columns(self, x: torch.Tensor):
-        """(groups, n, m) input columns of x for the layer."""
-        if not self.layer.is_conv:
-            return x.reshape(-1, x.shape[-1]).T.unsqueeze(0)
-        stride, padding, dilation, groups = self.layer.conv_args()
-        kernel = tuple(self.layer.weight_shape[2:])
-        if kernel == (1, 1) and stride == (1, 1) and padding == (0, 0):  # a pointwise conv needs no unfold
-            return x.transpose(0, 1).reshape(groups, x.shape[1] // groups, -1)
-        cols = F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)  # (B, C*kh*kw, L)
-        b, n, l = cols.shape
-        return cols.reshape(b, groups, n // groups, l).permute(1, 2, 0, 3).reshape(groups, n // groups, b * l)
-
     def add(self, x: torch.Tensor) -> None:
-        x = x.detach().float()
-        chunks = x.split(_CONV_CHUNK) if self.layer.is_conv and self.layer.weight_shape[2:].numel() > 1 else (x,)
-        for chunk in chunks:
-            cols = self._columns(chunk)
+        for cols in input_columns(self.layer, x):
             # Few columns (a depthwise or stem conv): fp64 products, cheap there, so that the
             # covariance E[x x^T] - E[x] E[x]^T of inputs far from zero mean keeps its digits;
             # else fp32 products (a large unfolded input in fp64 costs seconds), fp64 sums.

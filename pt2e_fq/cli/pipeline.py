@@ -244,13 +244,14 @@ def run_ptq_algorithms(prepared, model, batches, name, before_rounding: Optional
         the preset runs no algorithm."""
     report = None
     if name in presets.PTQ_ALGORITHMS:
-        equalization = "equalization" in presets.PTQ_ALGORITHMS[name]
+        row = presets.PTQ_ALGORITHMS[name]
+        equalization, activation_ranges = "equalization" in row, "activation_ranges" in row
         if before_rounding is None:
-            report = calib.apply(prepared, batches, equalization=equalization)
+            report = calib.apply(prepared, batches, equalization=equalization, activation_ranges=activation_ranges)
         else:
             equalized = calib.equalize(prepared, batches) if equalization else []
             before_rounding(prepared)
-            report = calib.apply(prepared, batches)
+            report = calib.apply(prepared, batches, activation_ranges=activation_ranges)
             if equalization:
                 report.algorithms, report.equalized = ("equalization",) + report.algorithms, equalized
     if name in presets.CNN_PTQ_ALGORITHMS and presets.is_convolutional(model):
