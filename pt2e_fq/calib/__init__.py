@@ -47,6 +47,8 @@ from . import statistics as _statistics
 from .activation_bias import correct_activation_bias
 from .bias_correction import bias_correction
 from .equalization import EqualizeResult, equalize
+from . import weight_ranges as _weight_ranges
+from .gptq import act_order as act_order_of
 from .gptq import gptq
 
 __all__ = ["apply", "equalize", "CalibReport", "EqualizeResult", "LayerResult", "correct_activation_bias"]
@@ -107,7 +109,7 @@ def _output_sqnr(weight: torch.Tensor, error: torch.Tensor, second_moment: torch
 
 def apply(prepared: torch.fx.GraphModule, batches: Iterable, *, gptq_rounding: bool = True,
           correct_bias: bool = True, block: int = 128, damp: float = 0.01,
-          equalization: bool = False) -> CalibReport:
+          equalization: bool = False, weight_ranges: bool = False, act_order: bool = False) -> CalibReport:
     """Runs the algorithms on `prepared` (calibrated: its weight points hold
     qparams) with `batches` (tensors or tuples of tensors, as for
     calibration); returns the per-layer report. gptq_rounding=False keeps
@@ -130,8 +132,8 @@ def apply(prepared: torch.fx.GraphModule, batches: Iterable, *, gptq_rounding: b
         for m in points:
             m.enable_observer(observing[id(m)])
         raise
-    algorithms = tuple(name for name, on in (("equalization", equalization), ("gptq", gptq_rounding),
-                                             ("bias_correction", correct_bias)) if on)
+    algorithms = tuple(name for name, on in (("equalization", equalization), ("weight_ranges", weight_ranges),
+                                             ("gptq", gptq_rounding), ("bias_correction", correct_bias)) if on)
     report = CalibReport(algorithms, 0.0, 0.0, equalized=equalized)
     weight_points = {id(layer.point) for layer in found}
     for layer in found:
@@ -139,14 +141,21 @@ def apply(prepared: torch.fx.GraphModule, batches: Iterable, *, gptq_rounding: b
         w = layer.as_matrix(layer.weight(prepared).float())
         h = s.second_moment
         nearest = layer.quantize(w)
-        rounded = nearest
-        if gptq_rounding:  # the op once more on the whole weight: MX / NVFP4 block scales as deployed
-            rounded = layer.quantize(gptq(w, h, layer.column_quantizer(), block=block, damp=damp))
+        bound = _weight_ranges.search(layer, w.reshape(layer.weight_shape), h) if weight_ranges else None
+        order = act_order_of(h) if act_order else None
+        rounded = w if bound is None else torch.maximum(torch.minimum(w, bound.reshape(w.shape)), -bound.reshape(w.shape))
+        if gptq_rounding:
+            rounded = gptq(w, h, layer.column_quantizer(order, None if bound is None else layer.as_matrix(bound)),
+                           block=block, damp=damp, order=order)
+            if bound is not None:
+                rounded = torch.maximum(torch.minimum(rounded, bound.reshape(w.shape)), -bound.reshape(w.shape))
+        # The op once more on the whole weight: MX / NVFP4 block scales as deployed.
+        rounded = layer.quantize(rounded)
         after_moment = h
         if correct_bias:
             _layers.add_to_bias(prepared, layer, bias_correction(w, rounded, s.mean))
             after_moment = h - s.mean.unsqueeze(-1) * s.mean.unsqueeze(-2)
-        if gptq_rounding:
+        if gptq_rounding or weight_ranges:
             _layers.set_weight(prepared, layer, rounded.reshape(layer.weight_shape))
         report.layers.append(LayerResult(layer.weight_name, str(layer.point.qspec),
                                          _output_sqnr(w, w - nearest, h, h),
