@@ -20,8 +20,14 @@ quantize function). It collects each layer's input statistics in one pass
 over the batches (as the layer sees its input in the prepared model), then
 per layer:
 
+- `weight_ranges` (calib.weight_ranges, with weight_ranges=True): the
+  clipping range of each block of the weight point searched first, by the
+  error GPTQ's output error weighs each column with (calib.gptq's
+  residual_power);
 - `gptq` (calib.gptq): output-aware rounding of the weight on the point's
-  calibrated grid;
+  calibrated grid; with act_order=True the columns are rounded by
+  decreasing input power, on qparams fixed before the loop (so the groups
+  stay contiguous in the exported format);
 - `bias_correction` (calib.bias_correction): the mean output error of the
   rounding added to the bias (a layer without bias gets one).
 
@@ -49,7 +55,7 @@ from .bias_correction import bias_correction
 from .equalization import EqualizeResult, equalize
 from . import weight_ranges as _weight_ranges
 from .gptq import act_order as act_order_of
-from .gptq import gptq
+from .gptq import gptq, residual_power
 
 __all__ = ["apply", "equalize", "CalibReport", "EqualizeResult", "LayerResult", "correct_activation_bias"]
 
@@ -114,7 +120,10 @@ def apply(prepared: torch.fx.GraphModule, batches: Iterable, *, gptq_rounding: b
     qparams) with `batches` (tensors or tuples of tensors, as for
     calibration); returns the per-layer report. gptq_rounding=False keeps
     round-to-nearest weights (bias correction alone); equalization=True
-    runs calib.equalize first (calib.equalization) (module doc)."""
+    runs calib.equalize first (calib.equalization); weight_ranges=True
+    searches each weight block's clipping range before rounding
+    (calib.weight_ranges); act_order=True rounds the columns by decreasing
+    input power (module doc)."""
     if not isinstance(prepared, torch.fx.GraphModule):
         raise TypeError(f"calib.apply: prepared must be the GraphModule of prepare_pt2e, got "
                         f"{type(prepared).__name__}")
@@ -141,8 +150,11 @@ def apply(prepared: torch.fx.GraphModule, batches: Iterable, *, gptq_rounding: b
         w = layer.as_matrix(layer.weight(prepared).float())
         h = s.second_moment
         nearest = layer.quantize(w)
-        bound = _weight_ranges.search(layer, w.reshape(layer.weight_shape), h) if weight_ranges else None
         order = act_order_of(h) if act_order else None
+        bound = None
+        if weight_ranges:  # each column's error weighted as GPTQ's output error weighs it, or by H_jj for RTN
+            column_weights = residual_power(h, damp, order) if gptq_rounding else h.diagonal(dim1=-2, dim2=-1)
+            bound = _weight_ranges.search(layer, w.reshape(layer.weight_shape), column_weights)
         rounded = w if bound is None else torch.maximum(torch.minimum(w, bound.reshape(w.shape)), -bound.reshape(w.shape))
         if gptq_rounding:
             rounded = gptq(w, h, layer.column_quantizer(order, None if bound is None else layer.as_matrix(bound)),

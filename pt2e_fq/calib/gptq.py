@@ -42,6 +42,23 @@ def act_order(h: torch.Tensor) -> torch.Tensor:
     return torch.argsort(h.diagonal(dim1=-2, dim2=-1), dim=-1, descending=True, stable=True)
 
 
+def residual_power(h: torch.Tensor, damp: float = 0.01, order: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per column j (groups, n), natural order: the part of input j's power
+    that the columns rounded after it cannot take over, 1 / [(H_{j:,j:})^-1]_jj
+    with the columns in `order` (the damped H, as gptq uses it). GPTQ's
+    output error is sum_j e_j^2 times this, e_j the rounding error of
+    column j as it is rounded."""
+    h = h.double().clone()
+    if order is not None:
+        h = h.gather(1, order[:, :, None].expand_as(h)).gather(2, order[:, None, :].expand_as(h))
+    diagonal = h.diagonal(dim1=-2, dim2=-1)
+    diagonal[diagonal == 0] = 1.0
+    power = _inverse_cholesky(h, damp).diagonal(dim1=-2, dim2=-1).pow(-2)
+    if order is not None:
+        power = power.gather(1, torch.argsort(order, dim=1))
+    return power.float()
+
+
 def gptq(weight: torch.Tensor, h: torch.Tensor, quantize: Callable[[torch.Tensor, int], torch.Tensor], *,
          block: int = 128, damp: float = 0.01, order: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The rounded weight (groups, rows, n) for `weight` of that shape, given

@@ -4,8 +4,9 @@ minimises the layer's output error, before GPTQ rounds on it.
 A block's min-max range puts its largest value exactly on the grid and
 spends the rest of the grid on the tail; at 4 bits, a range clipped a
 little gives the bulk of the block finer steps, and its output error
-(the rounding error weighted by how much each input column contributes,
-the diagonal of the input second moment H = E[x x^T]) is often lower.
+(the rounding error of each input column weighted by that column's share of
+the output error: its input power, or, before GPTQ, the part of it that
+the columns rounded later cannot take over) is often lower.
 Per block, every candidate range [lo * a, hi * b] of a grid of shrink
 factors is tried with the weight point's own op, and the one of least
 error wins (1.0 is on the grid, and a tie keeps the wider range, so a block
@@ -33,12 +34,13 @@ from ..spec.format_kinds import INTEGER, NVFP4, SCALED_FLOAT
 from ..spec.schemes import Formulation, Scheme
 from .layers import Layer
 
-# Shrink factors tried for each end of a block's range: 1.0 (min-max) down to
-# 1 - (STEPS - 1) * STEP.
-STEPS, STEP = 16, 0.025
+# Shrink factors tried: 1.0 (min-max) down to 1 - (steps - 1) * step; one
+# factor for both ends of a symmetric range, every pair of factors (a coarser
+# grid: steps^2 candidates) for the two ends of an asymmetric one.
+SYMMETRIC_GRID, ASYMMETRIC_GRID = (16, 0.025), (8, 0.05)
 
 
-def shrink_factors(steps: int = STEPS, step: float = STEP) -> torch.Tensor:
+def shrink_factors(steps: int, step: float) -> torch.Tensor:
     """The grid of shrink factors, 1.0 first."""
     return 1.0 - step * torch.arange(steps, dtype=torch.float32)
 
@@ -49,11 +51,9 @@ def searchable(layer: Layer) -> bool:
     return not spec.dynamic and (spec.kind in (INTEGER, SCALED_FLOAT) or spec.kind is NVFP4)
 
 
-def column_importance(layer: Layer, h: torch.Tensor) -> torch.Tensor:
-    """diag(H) of each weight element's input column, in the weight's shape:
-    a rounding error e at that element adds about e^2 * H_jj to the output
-    error (the cross terms of errors within a row are left out)."""
-    d = h.diagonal(dim1=-2, dim2=-1).float()  # (groups, n)
+def column_importance(layer: Layer, d: torch.Tensor) -> torch.Tensor:
+    """The per-column weights d (groups, n) spread over the weight's shape."""
+    d = d.float()
     rows = layer.weight_shape[0] // d.shape[0]
     return d[:, None, :].expand(d.shape[0], rows, d.shape[1]).reshape(layer.weight_shape)
 
@@ -63,27 +63,31 @@ def _pairs(symmetric: bool, factors: torch.Tensor) -> list[tuple[float, float]]:
     return [(a, a) for a in f] if symmetric else [(a, b) for a in f for b in f]
 
 
-def search(layer: Layer, weight: torch.Tensor, h: torch.Tensor,
+def search(layer: Layer, weight: torch.Tensor, column_weights: torch.Tensor,
            factors: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """Chooses the range of every block of `layer`'s weight point for
-    `weight` (the weight's shape) and the layer's input second moment `h`
-    (groups, n, n). An integer or scaled-float point gets the chosen
+    `weight` (the weight's shape): the least sum over the block of
+    column_weights[column] * error^2, column_weights (groups, n) one per
+    column of the layer's matrix (calib.layers): diag(H) for
+    round-to-nearest, gptq.residual_power(H) before GPTQ. `factors`: the
+    shrink factors (default: the grids above). An integer or scaled-float point gets the chosen
     qparams stored; returns None. NVFP4: returns the per-element bound
     |w| <= bound that the weight is to be clamped to before the op
     (layers.Layer.column_quantizer's `bound`). Other points: None,
     unchanged."""
     if not searchable(layer):
         return None
-    factors = shrink_factors() if factors is None else factors
     spec, point = layer.point.qspec, layer.point
     w = weight.detach().float()
-    importance = column_importance(layer, h)
+    importance = column_importance(layer, column_weights)
     if spec.kind is NVFP4:
-        return _search_nvfp4(layer, w, importance, factors)
+        return _search_nvfp4(layer, w, importance, shrink_factors(*SYMMETRIC_GRID) if factors is None else factors)
     block = spec.granularity.block_size(tuple(w.shape))
     lo, hi = block_min_max(w, block)
     # A symmetric grid has one scale to shrink (no-clip's is set by the end it binds at).
     symmetric = spec.scheme is not Scheme.ASYMMETRIC and spec.formulation is not Formulation.MINVAL
+    if factors is None:
+        factors = shrink_factors(*(SYMMETRIC_GRID if symmetric else ASYMMETRIC_GRID))
     best_err, best = None, None
     with torch.no_grad():
         for a, b in _pairs(symmetric, factors):

@@ -14,7 +14,7 @@ from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 from pt2e_fq import FP8_E4M3, INT4, INT8, MXFP4, NVFP4, CurrentMinMaxObserver, FakeQuantize, PerChannel, PerGroup, QSpec, calib
 from pt2e_fq.cli import pipeline
 from pt2e_fq.calib.bias_correction import bias_correction
-from pt2e_fq.calib.gptq import act_order, gptq
+from pt2e_fq.calib.gptq import act_order, gptq, residual_power
 from pt2e_fq.calib.layers import LINEAR, Layer
 
 
@@ -79,6 +79,21 @@ def test_act_order_is_gptq_on_the_permuted_problem(seed):
     assert not torch.equal(got, natural)
 
 
+@pytest.mark.parametrize("ordered", [False, True], ids=["natural", "act_order"])
+def test_residual_power_is_the_schur_complement_of_the_later_columns(ordered):
+    """1 / [(H_{j:,j:})^-1]_jj in the rounding order (the damped H), by
+    explicit inverses of the trailing blocks."""
+    x, w = _layer(5, n=12)
+    x = x * torch.linspace(0.3, 2.0, x.shape[1])
+    h = x.T @ x / len(x)
+    order = act_order(h[None]) if ordered else None
+    perm = order[0] if ordered else torch.arange(12)
+    damped = h.double()[perm][:, perm] + 0.01 * h.diagonal().double().mean() * torch.eye(12, dtype=torch.float64)
+    want = torch.stack([1 / torch.linalg.inv(damped[j:, j:])[0, 0] for j in range(12)])
+    got = residual_power(h[None], 0.01, order)[0]
+    torch.testing.assert_close(got[perm].double(), want, rtol=1e-5, atol=0)
+
+
 def test_gptq_reduces_the_output_error_of_round_to_nearest():
     x, w = _layer(3)
     h = x.T @ x / len(x)
@@ -135,8 +150,9 @@ def _sqnr(a, b):
     return (10 * torch.log10(a.pow(2).sum() / (a - b).pow(2).sum())).item()
 
 
+@pytest.mark.parametrize("options", [{}, {"weight_ranges": True, "act_order": True}], ids=["plain", "ranges_act_order"])
 @pytest.mark.parametrize("preset", ["w4a16", "nvfp4"])
-def test_apply_improves_the_model_and_leaves_the_float_model_alone(preset):
+def test_apply_improves_the_model_and_leaves_the_float_model_alone(preset, options):
     torch.manual_seed(0)
     model = _Net().eval()
     before = copy.deepcopy(model.state_dict())
@@ -145,7 +161,7 @@ def test_apply_improves_the_model_and_leaves_the_float_model_alone(preset):
     def quantized(algorithms):
         prepared = pipeline.prepare(model, batches[0], preset)
         pipeline.calibrate(prepared, batches, progress=False)
-        report = calib.apply(prepared, batches) if algorithms else None
+        report = calib.apply(prepared, batches, **options) if algorithms else None
         return convert_pt2e(prepared), report
 
     plain, _ = quantized(False)

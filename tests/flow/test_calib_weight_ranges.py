@@ -74,7 +74,7 @@ def test_integer_search_matches_a_brute_force_search():
     for minval in (False, True):
         w, h = _problem(0)
         layer = _layer(_spec(minval), w)
-        assert weight_ranges.search(layer, w, h[None], FACTORS) is None
+        assert weight_ranges.search(layer, w, h.diagonal()[None], FACTORS) is None
         got = layer.point(w)  # the point's stored qparams are the chosen ones
         want = _brute_force(w, h, minval)
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
@@ -86,7 +86,7 @@ def test_no_block_gets_worse_than_min_max(seed, minval):
     w, h = _problem(seed)
     layer = _layer(_spec(minval), w)
     min_max = layer.point(w)
-    weight_ranges.search(layer, w, h[None], FACTORS)
+    weight_ranges.search(layer, w, h.diagonal()[None], FACTORS)
     searched = layer.point(w)
     assert (_weighted_block_errors(searched, w, h) <= _weighted_block_errors(min_max, w, h) * (1 + 1e-6)).all()
 
@@ -99,7 +99,7 @@ def test_the_search_lowers_the_layer_output_error():
         layer = _layer(_spec(minval), w)
         output_error = lambda q: torch.einsum("ri,ij,rj->", q - w, h, q - w).item()  # noqa: E731
         before = output_error(layer.point(w))
-        weight_ranges.search(layer, w, h[None])
+        weight_ranges.search(layer, w, h.diagonal()[None])
         assert output_error(layer.point(w)) < 0.95 * before
 
 
@@ -108,7 +108,7 @@ def test_per_channel_search_covers_the_whole_row():
     spec = QSpec(INT4, PerChannel(0), "symmetric_no_clip", observer=CurrentMinMaxObserver())
     layer = _layer(spec, w)
     min_max = layer.point(w)
-    weight_ranges.search(layer, w, h[None], FACTORS)
+    weight_ranges.search(layer, w, h.diagonal()[None], FACTORS)
     searched = layer.point(w)
     d = h.diagonal()
     assert ((d * (searched - w) ** 2).sum(1) <= (d * (min_max - w) ** 2).sum(1) * (1 + 1e-6)).all()
@@ -119,7 +119,7 @@ def test_nvfp4_bound_matches_a_brute_force_search_with_the_reference_op():
     w, h = _problem(3)
     spec = QSpec(NVFP4, PerGroup(16, 1), observer=CurrentMinMaxObserver())
     layer = _layer(spec, w)
-    bound = weight_ranges.search(layer, w, h[None], FACTORS)
+    bound = weight_ranges.search(layer, w, h.diagonal()[None], FACTORS)
     g, d = layer.point.global_scale, h.diagonal()
     want = torch.empty_like(w)
     for r in range(ROWS):
