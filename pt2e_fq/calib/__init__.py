@@ -155,12 +155,13 @@ def apply(prepared: torch.fx.GraphModule, batches: Iterable, *, gptq_rounding: b
         if weight_ranges:  # each column's error weighted as GPTQ's output error weighs it, or by H_jj for RTN
             column_weights = residual_power(h, damp, order) if gptq_rounding else h.diagonal(dim1=-2, dim2=-1)
             bound = _weight_ranges.search(layer, w.reshape(layer.weight_shape), column_weights)
-        rounded = w if bound is None else torch.maximum(torch.minimum(w, bound.reshape(w.shape)), -bound.reshape(w.shape))
+        bound = None if bound is None else bound.reshape(w.shape)
+        rounded = w if bound is None else w.clamp(-bound, bound)
         if gptq_rounding:
-            rounded = gptq(w, h, layer.column_quantizer(order, None if bound is None else layer.as_matrix(bound)),
+            rounded = gptq(w, h, layer.column_quantizer(order, bound),
                            block=block, damp=damp, order=order)
             if bound is not None:
-                rounded = torch.maximum(torch.minimum(rounded, bound.reshape(w.shape)), -bound.reshape(w.shape))
+                rounded = rounded.clamp(-bound, bound)
         # The op once more on the whole weight: MX / NVFP4 block scales as deployed.
         rounded = layer.quantize(rounded)
         after_moment = h
