@@ -27,8 +27,14 @@ quantize function). It collects each layer's input statistics in one pass
 over the batches (as the layer sees its input in the prepared model), then
 per layer:
 
+- `weight_ranges` (calib.weight_ranges, with weight_ranges=True): the
+  clipping range of each block of the weight point searched first, by the
+  error GPTQ's output error weighs each column with (calib.gptq's
+  residual_power);
 - `gptq` (calib.gptq): output-aware rounding of the weight on the point's
-  calibrated grid;
+  calibrated grid; with act_order=True the columns are rounded by
+  decreasing input power, on qparams fixed before the loop (so the groups
+  stay contiguous in the exported format);
 - `bias_correction` (calib.bias_correction): the mean output error of the
   rounding added to the bias (a layer without bias gets one).
 
@@ -55,7 +61,9 @@ from .activation_bias import correct_activation_bias
 from .activation_ranges import RangeResult, search_activation_ranges
 from .bias_correction import bias_correction
 from .equalization import EqualizeResult, equalize
-from .gptq import gptq
+from . import weight_ranges as _weight_ranges
+from .gptq import act_order as act_order_of
+from .gptq import gptq, residual_power
 
 __all__ = ["apply", "equalize", "CalibReport", "EqualizeResult", "LayerResult", "RangeResult", "correct_activation_bias",
            "search_activation_ranges"]
@@ -123,14 +131,17 @@ def _output_sqnr(weight: torch.Tensor, error: torch.Tensor, second_moment: torch
 
 def apply(prepared: torch.fx.GraphModule, batches: Iterable, *, gptq_rounding: bool = True,
           correct_bias: bool = True, block: int = 128, damp: float = 0.01,
-          equalization: bool = False, activation_ranges: bool = False) -> CalibReport:
+          equalization: bool = False, activation_ranges: bool = False, weight_ranges: bool = False,
+          act_order: bool = False) -> CalibReport:
     """Runs the algorithms on `prepared` (calibrated: its weight points hold
     qparams) with `batches` (tensors or tuples of tensors, as for
     calibration); returns the per-layer report. gptq_rounding=False keeps
     round-to-nearest weights (bias correction alone); equalization=True
     runs calib.equalize first (calib.equalization); activation_ranges=True
-    runs calib.search_activation_ranges next (calib.activation_ranges)
-    (module doc)."""
+    runs calib.search_activation_ranges next (calib.activation_ranges);
+    weight_ranges=True searches each weight block's clipping range before
+    rounding (calib.weight_ranges); act_order=True rounds the columns by
+    decreasing input power (module doc)."""
     if not isinstance(prepared, torch.fx.GraphModule):
         raise TypeError(f"calib.apply: prepared must be the GraphModule of prepare_pt2e, got "
                         f"{type(prepared).__name__}")
@@ -153,7 +164,8 @@ def apply(prepared: torch.fx.GraphModule, batches: Iterable, *, gptq_rounding: b
             m.enable_observer(observing[id(m)])
         raise
     algorithms = tuple(name for name, on in (("equalization", equalization), ("activation_ranges", activation_ranges),
-                                             ("gptq", gptq_rounding), ("bias_correction", correct_bias)) if on)
+                                             ("weight_ranges", weight_ranges), ("gptq", gptq_rounding),
+                                             ("bias_correction", correct_bias)) if on)
     report = CalibReport(algorithms, 0.0, 0.0, equalized=equalized, ranges=ranges)
     weight_points = {id(layer.point) for layer in found}
     for layer in found:
@@ -161,14 +173,25 @@ def apply(prepared: torch.fx.GraphModule, batches: Iterable, *, gptq_rounding: b
         w = layer.as_matrix(layer.weight(prepared).float())
         h = s.second_moment
         nearest = layer.quantize(w)
-        rounded = nearest
-        if gptq_rounding:  # the op once more on the whole weight: MX / NVFP4 block scales as deployed
-            rounded = layer.quantize(gptq(w, h, layer.column_quantizer(), block=block, damp=damp))
+        order = act_order_of(h) if act_order else None
+        bound = None
+        if weight_ranges:  # each column's error weighted as GPTQ's output error weighs it, or by H_jj for RTN
+            column_weights = residual_power(h, damp, order) if gptq_rounding else h.diagonal(dim1=-2, dim2=-1)
+            bound = _weight_ranges.search(layer, w.reshape(layer.weight_shape), column_weights)
+        bound = None if bound is None else bound.reshape(w.shape)
+        rounded = w if bound is None else w.clamp(-bound, bound)
+        if gptq_rounding:
+            rounded = gptq(w, h, layer.column_quantizer(order, bound),
+                           block=block, damp=damp, order=order)
+            if bound is not None:
+                rounded = rounded.clamp(-bound, bound)
+        # The op once more on the whole weight: MX / NVFP4 block scales as deployed.
+        rounded = layer.quantize(rounded)
         after_moment = h
         if correct_bias:
             _layers.add_to_bias(prepared, layer, bias_correction(w, rounded, s.mean))
             after_moment = h - s.mean.unsqueeze(-1) * s.mean.unsqueeze(-2)
-        if gptq_rounding:
+        if gptq_rounding or weight_ranges:
             _layers.set_weight(prepared, layer, rounded.reshape(layer.weight_shape))
         report.layers.append(LayerResult(layer.weight_name, str(layer.point.qspec),
                                          _output_sqnr(w, w - nearest, h, h),

@@ -16,7 +16,7 @@ block's values at the time its column is rounded.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -35,21 +35,54 @@ def _inverse_cholesky(h: torch.Tensor, damp: float) -> torch.Tensor:
     raise ValueError("gptq: the input second moment stays singular after damping (non-finite inputs?)")
 
 
+def act_order(h: torch.Tensor) -> torch.Tensor:
+    """The columns by decreasing diagonal of `h` (groups, n, n), per group,
+    (groups, n): GPTQ's act_order rounds the columns with the most input
+    power first, while the most columns are left to absorb their error."""
+    return torch.argsort(h.diagonal(dim1=-2, dim2=-1), dim=-1, descending=True, stable=True)
+
+
+def residual_power(h: torch.Tensor, damp: float = 0.01, order: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per column j (groups, n), natural order: the part of input j's power
+    that the columns rounded after it cannot take over, 1 / [(H_{j:,j:})^-1]_jj
+    with the columns in `order` (the damped H, as gptq uses it). GPTQ's
+    output error is sum_j e_j^2 times this, e_j the rounding error of
+    column j as it is rounded."""
+    h = h.double().clone()
+    if order is not None:
+        h = h.gather(1, order[:, :, None].expand_as(h)).gather(2, order[:, None, :].expand_as(h))
+    diagonal = h.diagonal(dim1=-2, dim2=-1)
+    diagonal[diagonal == 0] = 1.0
+    power = _inverse_cholesky(h, damp).diagonal(dim1=-2, dim2=-1).pow(-2)
+    if order is not None:
+        power = power.gather(1, torch.argsort(order, dim=1))
+    return power.float()
+
+
 def gptq(weight: torch.Tensor, h: torch.Tensor, quantize: Callable[[torch.Tensor, int], torch.Tensor], *,
-         block: int = 128, damp: float = 0.01) -> torch.Tensor:
+         block: int = 128, damp: float = 0.01, order: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The rounded weight (groups, rows, n) for `weight` of that shape, given
-    the input second moment `h` (groups, n, n) and `quantize(columns, j)`:
-    column j of the current weight rounded, (groups, rows), where `columns`
-    is the current weight with its columns first, (groups, n, rows). Columns
-    whose input is always zero (a zero diagonal) are rounded as they are:
-    they cannot change the output."""
+    the input second moment `h` (groups, n, n) and `quantize(columns, i)`:
+    column i of the current weight rounded, (groups, rows), where `columns`
+    is the current weight with its columns first, (groups, n, rows). With
+    `order` (groups, n), a permutation of the columns per group, the columns
+    are rounded in that order: `columns` and i are then in that order too
+    (position i holds column order[:, i]); the result is in the natural
+    order. Columns whose input is always zero (a zero diagonal) are
+    rounded as they are: they cannot change the output."""
     if weight.dim() != 3 or h.shape != (weight.shape[0], weight.shape[2], weight.shape[2]):
         raise ValueError(f"gptq: weight (groups, rows, n) and h (groups, n, n) expected, got "
                          f"{tuple(weight.shape)} and {tuple(h.shape)}")
+    if order is not None and order.shape != weight.shape[::2]:
+        raise ValueError(f"gptq: order must be a permutation of the columns per group, (groups, n) = "
+                         f"{tuple(weight.shape[::2])}, got {tuple(order.shape)}")
     # Columns first: each column is one contiguous row of `w` (the loop reads and writes them).
     # A copy always (contiguous() of a (groups, 1, n) weight would be the weight itself).
     w = weight.detach().float().transpose(1, 2).clone(memory_format=torch.contiguous_format)
     h = h.double().clone()
+    if order is not None:
+        w = w.gather(1, order[:, :, None].expand_as(w))
+        h = h.gather(1, order[:, :, None].expand_as(h)).gather(2, order[:, None, :].expand_as(h))
     diagonal = h.diagonal(dim1=-2, dim2=-1)
     diagonal[diagonal == 0] = 1.0  # dead inputs: no feedback through them
     u = _inverse_cholesky(h, damp).float()
@@ -67,4 +100,6 @@ def gptq(weight: torch.Tensor, h: torch.Tensor, quantize: Callable[[torch.Tensor
             errors[:, i] = error
         if stop < n:
             w[:, stop:] -= u[:, start:stop, stop:].transpose(1, 2) @ errors
+    if order is not None:
+        w = w.gather(1, torch.argsort(order, dim=1)[:, :, None].expand_as(w))
     return w.transpose(1, 2).contiguous()

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from ..fake_quantize import FakeQuantize
+from ..ops.blocks import expand_blocks
 from ..spec.format_kinds import INTEGER, MX, NVFP4, SCALED_FLOAT
 
 aten = torch.ops.aten
@@ -55,44 +56,63 @@ class Layer:
         with torch.no_grad():
             return self.point(matrix.reshape(self.weight_shape)).reshape(matrix.shape)
 
-    def column_quantizer(self):
-        """quantize(columns, j) for calib.gptq: column j (groups, rows) of the
+    def column_quantizer(self, order: Optional[torch.Tensor] = None, bound: Optional[torch.Tensor] = None):
+        """quantize(columns, i) for calib.gptq: column i (groups, rows) of the
         weight matrix given with its columns first (groups, n, rows), rounded
-        by the weight point's op. A static integer or scaled-float point rounds
-        each element on its own qparams: the op runs on the column alone with
-        those qparams expanded to one per element (the same arithmetic as on
-        the whole weight). MX and NVFP4 blocks along the columns of a linear
-        or pointwise conv: the op on column j's block. Otherwise (block scales computed in the kernel:
-        MX, NVFP4) the op runs on the whole weight, where a block's scale
-        sees the block's current values."""
+        by the weight point's op. With `order` (groups, n), the columns come
+        permuted: position i holds column order[:, i] (GPTQ's act_order).
+        With `bound` (the matrix's shape; NVFP4, calib.weight_ranges), the
+        weight is clamped to +-bound before the op.
+
+        A static integer or scaled-float point rounds each element on its own
+        qparams: the op runs on the column alone with those qparams expanded
+        to one per element (the same arithmetic as on the whole weight; they
+        are fixed before the loop, so a group's scale is the same whatever
+        order its columns are rounded in). MX and NVFP4 blocks along the
+        columns of a linear or pointwise conv: the op on column i's block.
+        Otherwise (block scales computed in the kernel: MX, NVFP4) the op runs
+        on the whole weight, where a block's scale sees the block's current
+        values."""
         spec = self.point.qspec
+        n = self.weight_shape[1:].numel()
+        if order is None:
+            order = torch.arange(n).expand(self.groups, n)
+        inverse = torch.argsort(order, dim=1)
+        clamp = (lambda t, _cols: t) if bound is None else (  # noqa: E731
+            lambda t, cols: torch.maximum(torch.minimum(t, bound[:, :, cols]), -bound[:, :, cols]))
         if spec.kind in (MX, NVFP4) and self.groups == 1 and self.weight_shape[2:].numel() == 1:
             # Blocks run along the columns (a linear's or pointwise conv's input channels): the op
             # on the block holding column j alone gives what it gives on the whole weight.
             size = spec.granularity.group_size
             tail = (1,) * (len(self.weight_shape) - 2)
 
-            def quantize_block(columns, j):
+            def quantize_block(columns, i):
+                j = int(order[0, i])
                 start = j - j % size
-                block = columns[0, start:start + size].T
+                cols = slice(start, min(start + size, n))
+                block = clamp(columns[0, inverse[0, cols]].T[None], cols)[0]
                 with torch.no_grad():
                     return self.point(block.reshape(*block.shape, *tail)).reshape(block.shape)[:, j - start][None]
 
             return quantize_block
         if spec.dynamic or spec.kind not in (INTEGER, SCALED_FLOAT):
-            return lambda columns, j: self.quantize(columns.transpose(1, 2))[:, :, j]
+            def quantize_whole(columns, i):
+                natural = columns.gather(1, inverse[:, :, None].expand_as(columns)).transpose(1, 2)
+                q = self.quantize(clamp(natural, slice(None)))
+                return q.gather(2, order[:, None, i:i + 1].expand(-1, q.shape[1], 1))[:, :, 0]
+
+            return quantize_whole
         block = spec.granularity.block_size(self.weight_shape)
         per_element = {}
         for name, q in self.point.calculate_qparams().items():
-            for d, (b, size) in enumerate(zip(block, self.weight_shape)):
-                q = q.repeat_interleave(b, dim=d).narrow(d, 0, size)
-            per_element[name] = self.as_matrix(q).transpose(1, 2).contiguous()
+            q = self.as_matrix(expand_blocks(q, self.weight_shape, block)).transpose(1, 2)
+            per_element[name] = q.gather(1, order[:, :, None].expand_as(q)).contiguous()
         ones = (1, 1, 1)
 
-        def quantize(columns, j):
+        def quantize(columns, i):
             with torch.no_grad():
-                qparams = {name: q[:, j:j + 1] for name, q in per_element.items()}
-                return spec.kind.fake_quantize(spec, columns[:, j:j + 1], ones, qparams)[:, 0]
+                qparams = {name: q[:, i:i + 1] for name, q in per_element.items()}
+                return spec.kind.fake_quantize(spec, columns[:, i:i + 1], ones, qparams)[:, 0]
 
         return quantize
 

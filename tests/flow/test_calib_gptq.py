@@ -14,7 +14,7 @@ from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 from pt2e_fq import FP8_E4M3, INT4, INT8, MXFP4, NVFP4, CurrentMinMaxObserver, FakeQuantize, PerChannel, PerGroup, QSpec, calib
 from pt2e_fq.cli import pipeline
 from pt2e_fq.calib.bias_correction import bias_correction
-from pt2e_fq.calib.gptq import gptq
+from pt2e_fq.calib.gptq import act_order, gptq, residual_power
 from pt2e_fq.calib.layers import LINEAR, Layer
 
 
@@ -61,6 +61,39 @@ def test_gptq_matches_the_optimal_brain_surgeon_form(seed):
     assert torch.allclose(on_grid, on_grid.round(), atol=1e-4)
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_act_order_is_gptq_on_the_permuted_problem(seed):
+    """order=act_order(h): the optimal-brain-surgeon reference run on the
+    columns permuted by decreasing diag(H), permuted back."""
+    x, w = _layer(seed)
+    x = x * torch.linspace(0.2, 3.0, x.shape[1])  # input powers that differ: the order matters
+    h = x.T @ x / len(x)
+    order = act_order(h[None])
+    perm = torch.argsort(h.diagonal(), descending=True)
+    assert torch.equal(order[0], perm)
+    scale = w.abs().max().item() / 7
+    got = gptq(w[None], h[None], _grid(scale), block=16, order=order)[0]
+    want = _reference_gptq(w[:, perm], h[perm][:, perm], scale, damp=0.01)[:, torch.argsort(perm)]
+    assert (got - want).abs().max() < 1e-4 * scale or (got != want).float().mean() < 0.01  # a rare tie may flip
+    natural = gptq(w[None], h[None], _grid(scale), block=16)[0]
+    assert not torch.equal(got, natural)
+
+
+@pytest.mark.parametrize("ordered", [False, True], ids=["natural", "act_order"])
+def test_residual_power_is_the_schur_complement_of_the_later_columns(ordered):
+    """1 / [(H_{j:,j:})^-1]_jj in the rounding order (the damped H), by
+    explicit inverses of the trailing blocks."""
+    x, w = _layer(5, n=12)
+    x = x * torch.linspace(0.3, 2.0, x.shape[1])
+    h = x.T @ x / len(x)
+    order = act_order(h[None]) if ordered else None
+    perm = order[0] if ordered else torch.arange(12)
+    damped = h.double()[perm][:, perm] + 0.01 * h.diagonal().double().mean() * torch.eye(12, dtype=torch.float64)
+    want = torch.stack([1 / torch.linalg.inv(damped[j:, j:])[0, 0] for j in range(12)])
+    got = residual_power(h[None], 0.01, order)[0]
+    torch.testing.assert_close(got[perm].double(), want, rtol=1e-5, atol=0)
+
+
 def test_gptq_reduces_the_output_error_of_round_to_nearest():
     x, w = _layer(3)
     h = x.T @ x / len(x)
@@ -85,6 +118,8 @@ def test_gptq_groups_are_independent_problems():
 def test_gptq_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="gptq: weight"):
         gptq(torch.zeros(1, 4, 8), torch.zeros(1, 7, 7), _grid(1.0))
+    with pytest.raises(ValueError, match="gptq: order must be a permutation"):
+        gptq(torch.zeros(1, 4, 8), torch.zeros(1, 8, 8), _grid(1.0), order=torch.arange(7)[None])
 
 
 def test_bias_correction_zeroes_the_mean_output_error():
@@ -115,8 +150,9 @@ def _sqnr(a, b):
     return (10 * torch.log10(a.pow(2).sum() / (a - b).pow(2).sum())).item()
 
 
+@pytest.mark.parametrize("options", [{}, {"weight_ranges": True, "act_order": True}], ids=["plain", "ranges_act_order"])
 @pytest.mark.parametrize("preset", ["w4a16", "nvfp4"])
-def test_apply_improves_the_model_and_leaves_the_float_model_alone(preset):
+def test_apply_improves_the_model_and_leaves_the_float_model_alone(preset, options):
     torch.manual_seed(0)
     model = _Net().eval()
     before = copy.deepcopy(model.state_dict())
@@ -125,7 +161,7 @@ def test_apply_improves_the_model_and_leaves_the_float_model_alone(preset):
     def quantized(algorithms):
         prepared = pipeline.prepare(model, batches[0], preset)
         pipeline.calibrate(prepared, batches, progress=False)
-        report = calib.apply(prepared, batches) if algorithms else None
+        report = calib.apply(prepared, batches, **options) if algorithms else None
         return convert_pt2e(prepared), report
 
     plain, _ = quantized(False)
@@ -170,15 +206,25 @@ def test_apply_rejects_a_module_that_is_not_a_graph():
     QSpec(NVFP4, PerGroup(16, 1), observer=CurrentMinMaxObserver()),
     QSpec(MXFP4, PerGroup(32, 1), dynamic=True),
 ], ids=str)
-def test_column_quantizer_is_the_op_on_the_whole_weight(spec):
+@pytest.mark.parametrize("permuted", [False, True], ids=["natural", "permuted"])
+def test_column_quantizer_is_the_op_on_the_whole_weight(spec, permuted):
     """GPTQ's column-by-column rounding gives, column for column, what the
-    weight point's op gives on the whole weight (ragged last group included)."""
+    weight point's op gives on the whole weight (ragged last group included),
+    also with the columns given in another order (act_order) and, for NVFP4,
+    with the weight clamped to a bound (calib.weight_ranges)."""
     torch.manual_seed(0)
     point = FakeQuantize(spec)
     w = torch.randn(24, 80)
     point(w)
     point.enable_observer(False)
     layer = Layer(SimpleNamespace(target=LINEAR), "w", point, w.shape)
-    quantize, columns = layer.column_quantizer(), w.T.unsqueeze(0).contiguous()
-    got = torch.stack([quantize(columns, j)[0] for j in range(w.shape[1])], 1)
-    torch.testing.assert_close(got, point(w), atol=0, rtol=0)
+    order = torch.randperm(w.shape[1])[None] if permuted else None
+    bound = (torch.rand(w.shape) + 0.5)[None] if spec.format == NVFP4 else None
+    quantize = layer.column_quantizer(order, bound)
+    natural = torch.arange(w.shape[1]) if order is None else order[0]
+    columns = w.T[natural].unsqueeze(0).contiguous()
+    got = torch.empty_like(w)
+    for i, j in enumerate(natural.tolist()):
+        got[:, j] = quantize(columns, i)[0]
+    clamped = w if bound is None else torch.maximum(torch.minimum(w, bound[0]), -bound[0])
+    torch.testing.assert_close(got, point(clamped), atol=0, rtol=0)
