@@ -8,10 +8,12 @@ Rows per model: the float model; each preset as `get_preset(name)` gives it
 `pipeline.quantize(model, example, name, calibration=batches)` runs it
 ("preset default": on a CNN the 4-bit presets keep the first conv,
 depthwise convs and classifier at int8 weights, presets.int8_edges; then
-pt2e_fq.calib.apply's GPTQ and bias correction for the presets of
-presets.PTQ_ALGORITHMS, timed: wall and CPU seconds, and on a CNN
-calib.correct_activation_bias, presets.CNN_PTQ_ALGORITHMS); XNNPACKQuantizer and
-X86InductorQuantizer with int8 and int4 weights (stock_flows.stock_quantizer).
+pt2e_fq.calib.apply's algorithms for the presets of presets.PTQ_ALGORITHMS
+and, on a CNN, calib.correct_activation_bias (presets.CNN_PTQ_ALGORITHMS),
+timed: the wall and CPU seconds of them all, and the wall seconds of the
+weight rounding (weight ranges, GPTQ, bias correction) among them);
+XNNPACKQuantizer and X86InductorQuantizer with int8 and int4 weights
+(stock_flows.stock_quantizer).
 Metrics: benchmarks/trained_models.py (± one standard error).
 
     python benchmarks/bench_trained.py                         # the full table
@@ -66,8 +68,10 @@ def _ours(model, calibration, name: str, default: bool):
     config = preset_default_config(model, name) if default else presets.get_preset(name)
     prepared = pipeline.prepare(model, calibration[0], config)
     pipeline.calibrate(prepared, calibration, progress=False)
+    start, cpu_start = time.perf_counter(), time.process_time()
     report = pipeline.run_ptq_algorithms(prepared, model, calibration, name if default else None)
-    return convert_pt2e(prepared), report
+    seconds = (time.perf_counter() - start, time.process_time() - cpu_start)
+    return convert_pt2e(prepared), report, seconds
 
 
 DIGITS = {"top1": 1, "top5": 1, "kl": 3, "sqnr": 1, "cosine": 4, "nn": 1, "spearman": 4}
@@ -81,9 +85,11 @@ def run(name: str, preset_names, quick: bool, layers: int, stock_bits=stock_flow
     reference = tm.outputs(model, held_out)
     rows, worst = [], []
 
-    def add(flow, preset, converted, report=None):
+    def add(flow, preset, converted, report=None, seconds=None):
         values = metrics(reference, tm.outputs(converted, held_out))
-        time_text = "-" if report is None else f"{report.seconds:.0f} ({report.cpu_seconds:.0f} CPU)"
+        time_text = "-"
+        if report is not None:  # the whole of run_ptq_algorithms, and the weight rounding within it
+            time_text = f"{seconds[0]:.0f} ({seconds[1]:.0f} CPU), rounding {report.stage_seconds['rounding']:.0f}"
         rows.append((flow, preset, str(stock_flows.coverage(converted)),
                      *(tm.format_estimate(values[k], DIGITS[k]) for k in keys), time_text))
         print("| " + " | ".join(rows[-1]) + " |", flush=True)  # as the table prints it, should the run stop
@@ -91,8 +97,8 @@ def run(name: str, preset_names, quick: bool, layers: int, stock_bits=stock_flow
     for preset in preset_names:
         add("ours RTN", preset, _ours(model, calibration, preset, default=False)[0])
         if preset in presets.PTQ_ALGORITHMS or preset in presets.INT8_EDGE_PRESETS:
-            converted, report = _ours(model, calibration, preset, default=True)
-            add("ours preset default", preset, converted, report)
+            converted, report, seconds = _ours(model, calibration, preset, default=True)
+            add("ours preset default", preset, converted, report, seconds)
             if report is not None and layers:
                 worst.append((preset, report))
     for stock in stock_flows.STOCK_QUANTIZERS:
@@ -100,7 +106,7 @@ def run(name: str, preset_names, quick: bool, layers: int, stock_bits=stock_flow
             converted = stock_flows.stock_quantize(model, calibration[0], calibration, stock, bits)
             add(stock, f"w{bits}a8", converted)
     n = sum(len(b[0]) if isinstance(b, tuple) else len(b) for b in held_out)
-    headers = ("flow", "preset", "coverage", *(HEADERS[k] for k in keys), "calib.apply s")
+    headers = ("flow", "preset", "coverage", *(HEADERS[k] for k in keys), "PTQ algorithms s")
     print(f"\n{name}: {n} held-out samples, torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
     print(tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
     for preset, report in worst:

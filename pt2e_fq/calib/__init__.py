@@ -85,7 +85,10 @@ class LayerResult:
 class CalibReport:
     """The layers' results; `seconds` the wall time of apply and
     `cpu_seconds` the CPU time of its threads (on a shared machine the
-    wall time also counts other processes' turns)."""
+    wall time also counts other processes' turns); `stage_seconds` the wall
+    time of each stage that ran: equalization, activation_ranges, statistics
+    (the pass that collects each layer's input moments) and rounding
+    (weight_ranges, gptq and bias_correction, layer by layer)."""
 
     algorithms: tuple
     seconds: float
@@ -93,6 +96,7 @@ class CalibReport:
     layers: list = field(default_factory=list)
     equalized: list = field(default_factory=list)  # EqualizeResults, where equalization ran
     ranges: list = field(default_factory=list)  # RangeResults, where the activation range search ran
+    stage_seconds: dict = field(default_factory=dict)
 
     def worst(self, count: int = 5) -> list:
         return sorted(self.layers, key=lambda r: r.after_db)[:count]
@@ -101,8 +105,9 @@ class CalibReport:
         from tabulate import tabulate
 
         rows = [(r.name, r.weight, f"{r.before_db:.1f}", f"{r.after_db:.1f}") for r in self.layers]
+        stages = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.stage_seconds.items())
         head = (f"calib.apply({', '.join(self.algorithms)}): {len(self.layers)} layers, {self.seconds:.1f} s "
-                f"({self.cpu_seconds:.1f} s CPU)")
+                f"({self.cpu_seconds:.1f} s CPU; {stages})")
         text = head + "\n" + tabulate(rows, headers=("layer", "weight", "SQNR RTN dB", "SQNR after dB"))
         if self.equalized:
             groups = [(r.producer, ", ".join(r.consumers), r.scale, f"{r.before_db:.1f}", f"{r.after_db:.1f}")
@@ -146,12 +151,23 @@ def apply(prepared: torch.fx.GraphModule, batches: Iterable, *, gptq_rounding: b
         raise TypeError(f"calib.apply: prepared must be the GraphModule of prepare_pt2e, got "
                         f"{type(prepared).__name__}")
     start, cpu_start = time.perf_counter(), time.process_time()
+    stage_seconds = {}
+    clock = [start]
+
+    def stage_done(name: str) -> None:
+        now = time.perf_counter()
+        stage_seconds[name], clock[0] = now - clock[0], now
+
     batches = list(batches)
     equalized = equalize(prepared, batches) if equalization else []
+    if equalization:
+        stage_done("equalization")
     # After equalisation (which replaces and recalibrates the points whose input it scales) and
     # before the statistics GPTQ and bias correction use: they see each layer's input through its
     # point, so the weights are rounded for the activation grid that convert keeps.
     ranges = search_activation_ranges(prepared, batches) if activation_ranges else []
+    if activation_ranges:
+        stage_done("activation_ranges")
     found = _layers.find_layers(prepared)
     points = [m for m in prepared.modules() if hasattr(m, "enable_observer")]
     observing = {id(m): bool(getattr(m, "_observer_on", False)) for m in points}
@@ -163,10 +179,11 @@ def apply(prepared: torch.fx.GraphModule, batches: Iterable, *, gptq_rounding: b
         for m in points:
             m.enable_observer(observing[id(m)])
         raise
+    stage_done("statistics")
     algorithms = tuple(name for name, on in (("equalization", equalization), ("activation_ranges", activation_ranges),
                                              ("weight_ranges", weight_ranges), ("gptq", gptq_rounding),
                                              ("bias_correction", correct_bias)) if on)
-    report = CalibReport(algorithms, 0.0, 0.0, equalized=equalized, ranges=ranges)
+    report = CalibReport(algorithms, 0.0, 0.0, equalized=equalized, ranges=ranges, stage_seconds=stage_seconds)
     weight_points = {id(layer.point) for layer in found}
     for layer in found:
         s = stats[layer.node]
@@ -198,6 +215,7 @@ def apply(prepared: torch.fx.GraphModule, batches: Iterable, *, gptq_rounding: b
                                          _output_sqnr(w, w - rounded, h, after_moment)))
     for m in points:  # weight points stay off: their grid is the one the weights were rounded on
         m.enable_observer(observing[id(m)] and id(m) not in weight_points)
+    stage_done("rounding")
     report.seconds = time.perf_counter() - start
     report.cpu_seconds = time.process_time() - cpu_start
     return report

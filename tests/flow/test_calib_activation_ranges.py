@@ -112,6 +112,7 @@ def test_never_worse_on_calibration_data_and_report():
     state = {k: v.clone() for k, v in model.state_dict().items()}
     report = calib.apply(prepared, batches, activation_ranges=True)
     assert report.algorithms == ("activation_ranges", "gptq", "bias_correction")
+    assert list(report.stage_seconds) == ["activation_ranges", "statistics", "rounding"]
     assert [r.consumers for r in report.ranges] == [("clip.weight",)]
     assert all(r.after_db >= r.before_db for r in report.ranges)
     assert "chosen range" in str(report)

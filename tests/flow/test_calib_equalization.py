@@ -141,6 +141,7 @@ def test_apply_equalizes_in_one_call_and_leaves_the_user_model():
     prepared = _prepared(model, "w8a8", batches)
     report = calib.apply(prepared, batches, equalization=True)
     assert report.algorithms == ("equalization", "gptq", "bias_correction")
+    assert list(report.stage_seconds) == ["equalization", "statistics", "rounding"]
     assert [r.consumers for r in report.equalized] == [("linear", "linear_1", "linear_2"), ("linear_3",)]
     assert "equalized: producer" in str(report)
     for name, value in model.state_dict().items():

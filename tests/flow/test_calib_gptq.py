@@ -172,6 +172,10 @@ def test_apply_improves_the_model_and_leaves_the_float_model_alone(preset, optio
     for name, value in model.state_dict().items():  # the float model shares nothing that was rewritten
         assert torch.equal(value, before[name]), name
     assert [r.name for r in report.layers] == ["stem.weight", "dw.weight", "pw.weight", "fc.weight"]
+    # The stages that ran are timed, and their times make up the whole.
+    assert list(report.stage_seconds) == ["statistics", "rounding"]
+    assert sum(report.stage_seconds.values()) <= report.seconds
+    assert "statistics" in str(report) and "rounding" in str(report)
     assert all(r.after_db > r.before_db for r in report.layers if preset == "w4a16")
     # The converted weight points keep the grid the weights were rounded on: a weight is its own rounding.
     for node in tuned.graph.nodes:
