@@ -22,7 +22,8 @@ to 4) and sequence length (up to 128).
 Printed per variant: the file's size; the median forward time at batch 1,
 sequence 128, with the given number of XNNPACK threads, divided by 128 (ms
 per token, prefill); its speed-up over the float .pte; the linears XNNPACK
-runs; the logits' SQNR against float eager, and for ours against the
+runs, the XNNPACK subgraphs (a delegate call each per forward) and the ops
+left to ExecuTorch's portable kernels (dynamic sizes included); the logits' SQNR against float eager, and for ours against the
 converted fake-quant model, whose bound (check_lowered's, 30 dB) the
 .pte must meet at every size it takes (checked at three shapes).
 
@@ -72,8 +73,9 @@ def ours(model, preset: str):
     return convert_pt2e(prepared)
 
 
-def _lower(program, path: str) -> tuple[str, int]:
-    """Writes `program` as a .pte through XNNPACK; returns the path and the linears in the delegate."""
+def _lower(program, path: str) -> tuple[str, tuple[int, int, int]]:
+    """Writes `program` as a .pte through XNNPACK; returns the path and the
+    delegation: linears in the delegate, XNNPACK subgraphs, ops left outside."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.devtools.backend_debug import get_delegation_info
     from executorch.exir import to_edge_transform_and_lower
@@ -81,12 +83,13 @@ def _lower(program, path: str) -> tuple[str, int]:
     edge = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
     info = get_delegation_info(edge.exported_program().graph_module)
     linears = info.delegation_by_operator.get("aten_linear_default")
+    outside = sum(b.non_delegated for op, b in info.delegation_by_operator.items() if op != "getitem")
     with open(path, "wb") as f:
         f.write(edge.to_executorch().buffer)
-    return path, linears.delegated if linears else 0
+    return path, (linears.delegated if linears else 0, info.num_delegated_subgraphs, outside)
 
 
-def torchao_8da4w(model, path: str) -> tuple[str, int]:
+def torchao_8da4w(model, path: str) -> tuple[str, tuple[int, int, int]]:
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig, PerGroup, quantize_
     from torchao.quantization.quant_primitives import MappingType
 
@@ -114,17 +117,17 @@ def main() -> None:
     rows, runners, checks = [], {}, {}
     with tempfile.TemporaryDirectory() as folder:
         path = lambda name: os.path.join(folder, f"{name}.pte")  # noqa: E731
-        files, linears, converted = {}, {}, {}
-        files["float .pte"], linears["float .pte"] = _lower(
+        files, delegation, converted = {}, {}, {}
+        files["float .pte"], delegation["float .pte"] = _lower(
             torch.export.export(model, (tokens(2, 16),), dynamic_shapes=DIMS), path("float"))
         for name in presets.DYNAMIC_ACTIVATION_PRESETS:
             converted[name] = ours(model, name)
             result = to_executorch(converted[name], (tokens(2, 16),), path(name), dynamic_shapes=DIMS)
             files[f"ours {name}"] = result.path
-            linears[f"ours {name}"] = result.delegated_linears
+            delegation[f"ours {name}"] = (result.delegated_linears, result.delegated_subgraphs, sum(result.outside.values()))
             checks[f"ours {name}"] = [check_lowered(result.path, converted[name], (tokens(b, s, seed=b + s),))
                                       for b, s in CHECK_SHAPES]
-        files["torchao 8da4w"], linears["torchao 8da4w"] = torchao_8da4w(model, path("torchao_8da4w"))
+        files["torchao 8da4w"], delegation["torchao 8da4w"] = torchao_8da4w(model, path("torchao_8da4w"))
         _unsafe_reset_threadpool(args.threads)
         for name, file in files.items():
             method = Runtime.get().load_program(file).load_method("forward")
@@ -139,12 +142,13 @@ def main() -> None:
                 ok = all(c.ok for c in checks[name])
                 fq = f"{worst:.1f}{'' if ok else ' (fails)'}"
             rows.append([name, f"{os.path.getsize(file) / 2**20:.2f}", f"{ms[name] / SEQ:.4f}", f"{base / ms[name]:.2f}x",
-                         linears[name], f"{sqnr_db(reference, logits):.1f}", fq])
+                         *delegation[name], f"{sqnr_db(reference, logits):.1f}", fq])
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU(s); torch {torch.__version__}, "
           f"torchao {torchao.__version__}, executorch {importlib.metadata.version('executorch')}; "
           f"{args.threads} XNNPACK thread(s); median of {args.repeats}; batch 1, sequence {SEQ}")
-    print(tabulate(rows, headers=["variant", "MiB", "ms/token", "speed-up", "linears in XNNPACK",
-                                  "SQNR vs float dB", f"SQNR vs fake-quant dB (min of {len(CHECK_SHAPES)} shapes)"]))
+    print(tabulate(rows, headers=["variant", "MiB", "ms/token", "speed-up", "linears in XNNPACK", "XNNPACK subgraphs",
+                                  "ops outside", "SQNR vs float dB",
+                                  f"SQNR vs fake-quant dB (min of {len(CHECK_SHAPES)} shapes)"]))
 
 
 if __name__ == "__main__":

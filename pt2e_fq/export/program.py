@@ -78,8 +78,22 @@ def exported_program(
     # size: with 4 elements a row, (7 + 4*batch)//8 >= 2 refuses batch 1 and 2
     # (the float program takes them). Size-oblivious reasoning answers such
     # questions without a guard, so the program runs at every batch size.
+    # It guards elsewhere, though: torch's matmul on 4-D operands (attention's
+    # q @ k.transpose(-2, -1)) reshapes them to 3-D, and size-oblivious export
+    # guards a dynamic sequence length != 1 there, which refuses a range that
+    # starts at 1 (the plain export takes it). Such a model gets the plain export.
     # A plain module has no graph whose stack traces the nodes could inherit: there the
     # traceback is the only pointer to the user's source, and it is kept.
     graph_input = isinstance(module, torch.fx.GraphModule)
-    with torch.fx.experimental._config.patch(backed_size_oblivious=True), no_new_stack_traces(graph_input):
-        return torch.export.export(module, args, dynamic_shapes=dynamic_shapes)
+    with no_new_stack_traces(graph_input):
+        try:
+            with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+                return torch.export.export(module, args, dynamic_shapes=dynamic_shapes)
+        except torch._dynamo.exc.UserError as e:
+            if e.error_type != torch._dynamo.exc.UserErrorType.CONSTRAINT_VIOLATION:
+                raise
+            oblivious_error = e
+        try:
+            return torch.export.export(module, args, dynamic_shapes=dynamic_shapes)
+        except torch._dynamo.exc.UserError:
+            raise oblivious_error from None

@@ -17,6 +17,7 @@ put every token at about 40 dB, as do the wrong files below."""
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import pytest
@@ -74,6 +75,7 @@ def test_every_linear_is_delegated_and_the_pte_takes_dynamic_batch_and_length_wi
     assert len(lines) == len(result.outside_nodes) > 0
     assert all(reason for _, _, reason in result.outside_nodes)
     assert any("embedding" in line for line in lines), lines
+    _check_outside(result, layers=2)
     for batch in (1, MAX_BATCH):
         for seq in (1, 7, MAX_SEQ):
             x = _tokens(batch, seq, seed=seq)
@@ -81,6 +83,38 @@ def test_every_linear_is_delegated_and_the_pte_takes_dynamic_batch_and_length_wi
             assert check.ok, f"batch {batch}, sequence {seq}:\n{check}"
             assert check.outputs[0].sqnr_db >= MIN_FLOAT_SQNR_DB
             assert _median_token_sqnr(result.path, converted, x) >= EXACT_TOKEN_DB, (batch, seq)
+
+
+# Per layer, left to the portable kernels: the reshapes and slices to the
+# dynamic batch and length (q, k, v into heads, the matmuls' 4-D <-> 3-D
+# views and no-op expands, the rotary halves, attention's output), RMSNorm's
+# mean over a 3-D tensor (XNNPACK averages 4-D ones over the last two dims).
+# Once per forward: the embedding, the final RMSNorm's mean, the rotary
+# tables' and the causal mask's construction, the sizes they are computed from.
+OUTSIDE_PER_LAYER = {"aten.view_copy.default": 10, "aten.expand_copy.default": 4, "aten.slice_copy.Tensor": 4,
+                     "aten.mean.dim": 2}
+OUTSIDE_ONCE = {"aten.embedding.default": 1, "aten.mean.dim": 1, "aten.slice_copy.Tensor": 2,  # cos, sin
+                "aten.full.default": 1, "aten.arange.start_step": 2, "aten.unsqueeze_copy.default": 2,
+                "aten.sub.Tensor": 1, "aten.ge.Scalar": 1, "aten.scalar_tensor.default": 1, "aten.where.self": 1,
+                "aten.sym_size.int": 2, "operator.mul": 1}
+# XNNPACK subgraphs (one delegate call each per forward), split at the ops above.
+SUBGRAPHS_PER_LAYER, SUBGRAPHS_ONCE = 10, 2
+
+
+def _check_outside(result, layers: int) -> None:
+    """The ops left outside the delegate are the decoder's reshapes, slices and
+    means, each with its reason, and the causal mask is built once for all
+    layers (F.scaled_dot_product_attention's decomposition built it in every
+    layer, with a masked softmax of 6 more portable ops)."""
+    expected = collections.Counter(OUTSIDE_ONCE)
+    expected.update({op: n * layers for op, n in OUTSIDE_PER_LAYER.items()})
+    found = collections.Counter(op for _, op, _ in result.outside_nodes)
+    assert found == expected, result.why_outside()
+    assert result.delegated_subgraphs == SUBGRAPHS_PER_LAYER * layers + SUBGRAPHS_ONCE, str(result)
+    reasons = {op: {r for _, o, r in result.outside_nodes if o == op} for op in found}
+    assert all("dynamic size" in r for r in reasons["aten.view_copy.default"]), reasons["aten.view_copy.default"]
+    assert reasons["aten.mean.dim"] == {"mean.dim only supports averaging 4D tensors, got tensor of rank 3"}
+    assert all("dynamic size" in r or "SymInt" in r for r in reasons["aten.slice_copy.Tensor"]), reasons
 
 
 def _median_token_sqnr(path, converted, x) -> float:

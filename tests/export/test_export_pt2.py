@@ -124,3 +124,26 @@ def test_a_dynamic_batch_program_runs_at_every_batch_size(tmp_path):
                     assert all(torch.equal(g, e) for g, e in zip(torch.utils._pytree.tree_leaves(got),
                                                                  torch.utils._pytree.tree_leaves(expected)))
     assert not failures, "\n".join(failures)
+
+
+def test_attention_with_a_dynamic_length_from_1_saves_and_runs_at_every_length(tmp_path):
+    # torch's matmul of 4-D operands (q @ k.transpose(2, 3)) reshapes them to
+    # 3-D; export with size-oblivious reasoning guards a length != 1 there and
+    # refused the range [1, 16], which the plain export takes.
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    from benchmarks.models import LlamaDecoder
+    from quantizers import FakeQuantQuantizer, presets
+
+    torch.manual_seed(0)
+    model = LlamaDecoder(vocab=32, dim=32, layers=1, heads=2, max_seq=16).eval()
+    dims = ({0: torch.export.Dim("batch", min=1, max=4), 1: torch.export.Dim("seq", min=1, max=16)},)
+    example = (torch.randint(0, 32, (2, 8)),)
+    prepared = prepare_pt2e(torch.export.export(model, example, dynamic_shapes=dims).module(),
+                            FakeQuantQuantizer(presets.get_preset("w8a8-dyn")))
+    prepared(*example)
+    converted = convert_pt2e(prepared)
+    saved = q.save(converted, example, tmp_path / "m.pt2", dynamic_shapes=dims)
+    for b, t in ((1, 1), (4, 16), (3, 5)):
+        x = torch.randint(0, 32, (b, t), generator=torch.Generator().manual_seed(t))
+        assert torch.equal(saved.module()(x), converted(x)), (b, t)

@@ -176,15 +176,46 @@ def _partitioner_reasons():
         logger.propagate = propagate
 
 
+_SIZE_ARITHMETIC = "a dynamic size (an integer, no tensor data), computed for the ops that take it"
+
+
 def _outside_nodes(edge: torch.export.ExportedProgram, reasons: dict) -> list:
     """(name, op, reason) of each op node the delegate did not take."""
     found = []
     for node in edge.graph.nodes:
         if node.op != "call_function" or node.target is operator.getitem or "executorch_call_delegate" in str(node.target):
             continue
-        op = str(getattr(node.target, "_op", node.target))  # an edge op's ATen overload: aten.mean.dim
-        found.append((node.name, op, reasons.get(node.name, _NO_CONFIG)))
+        if isinstance(node.meta.get("val"), (int, torch.SymInt)):  # sym_size, and products of sizes
+            found.append((node.name, _op_name(node.target), _SIZE_ARITHMETIC))
+            continue
+        reason = reasons.get(node.name, _NO_CONFIG)
+        if reason == "invalid dtype":  # XNNPACK's words for any input that is not a float or int8 tensor
+            reason = _which_dtype(node)
+        found.append((node.name, _op_name(node.target), reason))
     return found
+
+
+def _which_dtype(node: torch.fx.Node) -> str:
+    """XNNPACK's "invalid dtype", with the input it means: a size computed at
+    run time (a reshape or slice to a dynamic size, which XNNPACK takes only
+    as sizes fixed at export or one -1), or a tensor of another dtype."""
+    inputs = [a for a in node.all_input_nodes if "val" in a.meta]
+    if any(isinstance(a.meta["val"], torch.SymInt) for a in inputs):
+        return "invalid dtype: an argument is a dynamic size (XNNPACK reshapes and slices to sizes fixed at export)"
+    dtypes = sorted({str(a.meta["val"].dtype).removeprefix("torch.") for a in inputs
+                     if isinstance(a.meta["val"], torch.Tensor)} - {"float32", "float16", "int8", "uint8"})
+    return f"invalid dtype: {', '.join(dtypes)} input" if dtypes else "invalid dtype"
+
+
+def _op_name(target) -> str:
+    """aten.mean.dim for an edge op or an ATen overload, operator.mul for Python's."""
+    from executorch.exir.dialects.edge._ops import EdgeOpOverload
+
+    if isinstance(target, EdgeOpOverload):
+        return str(target._op)
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    return f"{target.__module__.lstrip('_')}.{target.__name__}"
 
 
 def _check_bounded(program: torch.export.ExportedProgram) -> None:
