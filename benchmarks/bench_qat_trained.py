@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 import torch
+import torchao
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -167,7 +168,8 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     for name in args.models:
         rows += run(name, args.quick, args.flows)
-    print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} thread(s), {time.perf_counter() - start:.0f} s")
+    print(f"\ntorch {torch.__version__}, torchao {torchao.__version__}, {torch.get_num_threads()} thread(s), "
+          f"{time.perf_counter() - start:.0f} s")
     print(tabulate(rows, headers=("model", "flow", "preset", "steps", "PTQ start", "after QAT", "gap closed",
                                   "train loss (first 5 -> last 5)", "QAT s"), tablefmt="github"))
 
