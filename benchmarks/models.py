@@ -117,7 +117,9 @@ class EmbeddingHead(nn.Module):
 # (rows that are all -inf give 0: eq, any, logical_not, where) that XNNPACK
 # has no kernel for; measured on the 4-layer, dim-512 decoder at sequence
 # 128 (ETDump, 2 threads), those portable ops took about a fifth of the
-# int4 .pte's forward.
+# int4 .pte's forward. Two more choices keep ops in XNNPACK's delegate
+# (docs/export.md, "Where the time goes"): the matmuls are 3-D batched
+# matmuls over (batch x heads), and RMSNorm's mean is a 4-D mean.
 
 
 class RMSNorm(nn.Module):
@@ -129,7 +131,12 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         # The statistics in fp32, as Llama does, whatever x's dtype.
         xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        # The mean of squares as a 4-D mean over the last two dims (the channels
+        # split in two): XNNPACK averages only that way, so the mean runs in
+        # the delegate rather than in ExecuTorch's portable kernel.
+        squares = xf.pow(2).unflatten(-1, (2, -1))
+        mean_square = squares.mean((-2, -1), keepdim=True).flatten(-2)
+        return (xf * torch.rsqrt(mean_square + self.eps)).to(x.dtype) * self.weight
 
 
 def rotary_tables(head_dim: int, max_seq: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,13 +173,24 @@ class RotaryAttention(nn.Module):
         head_dim = d // self.heads
 
         def split(y):
-            return y.view(b, t, self.heads, head_dim).transpose(1, 2)
+            return y.view(b, t, self.heads, head_dim)
+
+        def heads(y, *order):
+            # (b, t, heads, head_dim) -> contiguous (b * heads, ...) with (t,
+            # head_dim) in `order`, for 3-D batched matmuls: a 4-D matmul
+            # exports as expand_copy + bmm, and ExecuTorch runs those expands
+            # outside XNNPACK (a copy and one more delegate call each).
+            y = y.permute(0, 2, *order)
+            return y.reshape(b * self.heads, *y.shape[2:])
 
         q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        scores = q @ k.transpose(2, 3) / math.sqrt(head_dim) + mask
+        # (b * heads, t, t): the mask broadcasts over the first dim, so the
+        # scores need no view back to 4-D (a view to a dynamic size splits
+        # the delegate).
+        scores = torch.bmm(heads(q, 1, 3), heads(k, 3, 1)) / math.sqrt(head_dim) + mask
         # The softmax in fp32, as Llama does, whatever q's dtype.
-        y = F.softmax(scores.float(), dim=-1).type_as(q) @ v
+        y = torch.bmm(F.softmax(scores.float(), dim=-1).type_as(q), heads(v, 1, 3)).view(b, self.heads, t, head_dim)
         return self.o(y.transpose(1, 2).reshape(b, t, d))
 
 
@@ -216,7 +234,8 @@ class LlamaDecoder(nn.Module):
 
     def forward(self, tokens):
         t = tokens.shape[1]
-        cos, sin = self.cos[:t], self.sin[:t]
+        # (t, 1, head_dim): broadcast over the heads of (batch, t, heads, head_dim).
+        cos, sin = self.cos[:t, None], self.sin[:t, None]
         x = self.embed(tokens)
         # Additive causal mask (0 on and below the diagonal, -inf above), built as Llama builds it.
         mask = causal_mask(t, x)
