@@ -21,7 +21,12 @@ to 4) and sequence length (up to 128).
 
 Printed per variant: the file's size; the median forward time at batch 1,
 sequence 128, with the given number of XNNPACK threads, divided by 128 (ms
-per token, prefill); its speed-up over the float .pte; the linears XNNPACK
+per token, prefill), and its speed-up over the float .pte: each forward
+timed right after one untimed forward of the same file, as a deployed
+model runs them back to back ("ms/token"), and timed right after another
+file's forward, whose weights have pushed this one's out of the caches
+("after another"; the variants take turns, so each follows every other
+equally often); the linears XNNPACK
 runs, the XNNPACK subgraphs (a delegate call each per forward) and the ops
 left to ExecuTorch's portable kernels (dynamic sizes included); the logits' SQNR against float eager, and for ours against the
 converted fake-quant model, whose bound (check_lowered's, 30 dB) the
@@ -132,8 +137,9 @@ def main() -> None:
         for name, file in files.items():
             method = Runtime.get().load_program(file).load_method("forward")
             runners[name] = (lambda m: lambda: m.execute([x])[0])(method)
-        ms = dict(zip(runners, median_ms(list(runners.values()), args.repeats, "cpu")))
-        base = ms["float .pte"]
+        ms = dict(zip(runners, median_ms(list(runners.values()), args.repeats, "cpu", warm=True)))
+        cold_ms = dict(zip(runners, median_ms(list(runners.values()), args.repeats, "cpu")))
+        base, cold_base = ms["float .pte"], cold_ms["float .pte"]
         for name, file in files.items():
             (logits,) = run_pte(file, (x,))
             fq = ""
@@ -142,11 +148,13 @@ def main() -> None:
                 ok = all(c.ok for c in checks[name])
                 fq = f"{worst:.1f}{'' if ok else ' (fails)'}"
             rows.append([name, f"{os.path.getsize(file) / 2**20:.2f}", f"{ms[name] / SEQ:.4f}", f"{base / ms[name]:.2f}x",
+                         f"{cold_ms[name] / SEQ:.4f}", f"{cold_base / cold_ms[name]:.2f}x",
                          *delegation[name], f"{sqnr_db(reference, logits):.1f}", fq])
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU(s); torch {torch.__version__}, "
           f"torchao {torchao.__version__}, executorch {importlib.metadata.version('executorch')}; "
           f"{args.threads} XNNPACK thread(s); median of {args.repeats}; batch 1, sequence {SEQ}")
-    print(tabulate(rows, headers=["variant", "MiB", "ms/token", "speed-up", "linears in XNNPACK", "XNNPACK subgraphs",
+    print(tabulate(rows, headers=["variant", "MiB", "ms/token", "speed-up", "ms/token after another", "speed-up after another",
+                                  "linears in XNNPACK", "XNNPACK subgraphs",
                                   "ops outside", "SQNR vs float dB",
                                   f"SQNR vs fake-quant dB (min of {len(CHECK_SHAPES)} shapes)"]))
 

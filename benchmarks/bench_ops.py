@@ -309,7 +309,8 @@ CASES = [
 # Measurement
 
 
-def median_ms(fns, repeats: int, device: str, warmup: int = 3, calls_per_timing: int = 10) -> list[float]:
+def median_ms(fns, repeats: int, device: str, warmup: int = 3, calls_per_timing: int = 10,
+              warm: bool = False) -> list[float]:
     """Median milliseconds of one call of each callable. The callables take
     turns within every repeat, so load from other processes hits them alike.
     On CUDA one pair of events on the stream times `calls_per_timing`
@@ -323,7 +324,9 @@ def median_ms(fns, repeats: int, device: str, warmup: int = 3, calls_per_timing:
     timed right after a callable with a larger working set starts with
     colder caches (measured on bench_deploy's encoder block: the same
     compiled int8 block 7-20% slower right after the float one than later
-    in the same repeat)."""
+    in the same repeat). With `warm`, each callable runs once more untimed
+    right before its timed call, so it is timed with its own working set in
+    the caches, as a deployed model runs its forwards back to back."""
     for fn in fns:  # allocator, lazy initialisation, and compilation
         for _ in range(warmup):
             fn()
@@ -341,6 +344,8 @@ def median_ms(fns, repeats: int, device: str, warmup: int = 3, calls_per_timing:
                 end.synchronize()
                 t.append(start.elapsed_time(end) / calls_per_timing)
             else:
+                if warm:
+                    fn()
                 t0 = time.perf_counter()
                 fn()
                 t.append((time.perf_counter() - t0) * 1e3)
