@@ -21,16 +21,16 @@ to 4) and sequence length (up to 128).
 
 Printed per variant: the file's size; the median forward time at batch 1,
 sequence 128, with the given number of XNNPACK threads, divided by 128 (ms
-per token, prefill), and its speed-up over the float .pte: each forward
-timed right after one untimed forward of the same file, as a deployed
-model runs them back to back ("ms/token"), and timed right after another
-file's forward, whose weights have pushed this one's out of the caches
-("after another"; the variants take turns, so each follows every other
-equally often); the linears XNNPACK
-runs, the XNNPACK subgraphs (a delegate call each per forward) and the ops
-left to ExecuTorch's portable kernels (dynamic sizes included); the logits' SQNR against float eager, and for ours against the
-converted fake-quant model, whose bound (check_lowered's, 30 dB) the
-.pte must meet at every size it takes (checked at three shapes).
+per token, prefill), and its speed-up over the float .pte, each timed
+right after one untimed forward of the same file, as a deployed model runs
+its forwards back to back ("ms/token"), and right after another file's
+forward, whose weights have pushed this one's out of the caches ("after
+another"; the variants take turns, so each follows every other equally
+often); the linears XNNPACK runs, the XNNPACK subgraphs (a delegate call
+each per forward) and the ops left to ExecuTorch's portable kernels
+(dynamic sizes included); the logits' SQNR against float eager, and for
+ours against the converted fake-quant model, whose bound (check_lowered's,
+30 dB) the .pte must meet at every size it takes (checked at three shapes).
 
     python benchmarks/bench_llm_deploy.py [--repeats N] [--threads N]
 """
