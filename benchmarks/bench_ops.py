@@ -320,7 +320,8 @@ def median_ms(fns, repeats: int, device: str, warmup: int = 3, calls_per_timing:
     it. A callable whose host work per call exceeds its GPU work is still
     measured at the host's pace, as a training loop would run it. On CPU,
     the wall clock of one call. Each repeat starts at the next callable
-    (a rotation), so each follows every other equally often: the one
+    (a rotation), so each follows every other equally often (with three
+    or more; with two, the last of a repeat also starts the next): the one
     timed right after a callable with a larger working set starts with
     colder caches (measured on bench_deploy's encoder block: the same
     compiled int8 block 7-20% slower right after the float one than later
