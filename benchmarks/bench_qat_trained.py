@@ -63,7 +63,7 @@ SETUPS = {
     "efficientnet_lite0": dict(metric="top1", loss="kl", temperature=2.0, lr=1e-4, qparam_lr=1e-5,
                                full=(64, 512, 256, 300), quick=(32, 128, 32, 20), batch=8),
     "minilm": dict(metric="cosine", loss="cosine", temperature=1.0, lr=1e-4, qparam_lr=1e-5,
-                   full=(128, 768, 512, 500), quick=(64, 256, 64, 40), batch=16),
+                   full=(128, 6400, 512, 500), quick=(64, 256, 64, 40), batch=16),
 }
 DIGITS = {"top1": 1, "cosine": 4}
 FLOAT = {"top1": 100.0, "cosine": 1.0}  # the float model's own score

@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import math
 import random
 import re
+import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -252,13 +255,58 @@ def sentence_data(tokenizer, calibration_sentences: int = CALIBRATION_SENTENCES,
     return _tokenized(tokenizer, calibration, batch), _tokenized(tokenizer, held_out, batch)
 
 
+# Never imported for the QAT pool: modules whose import acts (opens a browser,
+# prints) and the private ones (underscore names: C accelerators, few docstrings).
+_NOT_IMPORTED = ("antigravity", "this")
+_QAT_POOL: list = []  # the QAT sentence pool, built once per process
+
+
+def _stdlib_sentences(modules: Sequence[str]) -> list[str]:
+    """_sentences of each importable module of `modules`, deduplicated, in
+    order; run in a child interpreter so that importing the whole standard
+    library (tkinter, turtle, multiprocessing, ...) leaves this process as it was."""
+    with tempfile.TemporaryDirectory(prefix="qat-sentences-") as folder:
+        out = Path(folder) / "sentences.json"
+        code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import trained_models as tm; "
+                "json.dump(tm._importable_sentences(sys.argv[3:]), open(sys.argv[2], 'w'))")
+        subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parent), str(out), *modules],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
+        return json.loads(out.read_text())
+
+
+def _importable_sentences(modules: Sequence[str]) -> list[str]:
+    """_sentences of each module of `modules` that imports, deduplicated, in order."""
+    out = []
+    for name in modules:
+        try:
+            out += _sentences(name)
+        except Exception:  # noqa: BLE001 - platform-only or broken modules: not part of this pool
+            continue
+    return list(dict.fromkeys(out))
+
+
+def qat_sentence_pool() -> list[str]:
+    """The QAT sentence pool: the docstring sentences (_sentences) of every
+    importable standard-library module (sys.stdlib_module_names, in sorted
+    order, the private and acting ones left out) except HELD_OUT_MODULES,
+    less every sentence of a held-out module's pool. Deterministic for an
+    interpreter; built once per process."""
+    if not _QAT_POOL:
+        modules = sorted(m for m in sys.stdlib_module_names
+                         if not m.startswith("_") and m not in _NOT_IMPORTED and m not in HELD_OUT_MODULES)
+        held_out = {s for m in HELD_OUT_MODULES for s in _sentences(m)}  # any held-out draw's pool
+        _QAT_POOL.extend(s for s in _stdlib_sentences(modules) if s not in held_out)
+    return list(_QAT_POOL)
+
+
 def qat_sentence_data(tokenizer, sentences: int, batch: int = TEXT_BATCH):
-    """Batches of `sentences` sentences of the calibration modules (seed
-    QAT_SEED; at most the 848 of their pool): QAT data from the calibration
-    sources only, none of them a held-out sentence."""
-    held_out = {s for m in HELD_OUT_MODULES for s in _sentences(m)}  # any held-out draw's pool
-    chosen = [s for s in _sentence_set(CALIBRATION_MODULES, sentences, QAT_SEED) if s not in held_out]
-    return _tokenized(tokenizer, chosen, batch)
+    """Batches of `sentences` sentences drawn (seed QAT_SEED) from
+    qat_sentence_pool: QAT data from the whole standard library but the
+    held-out modules, none of them a held-out sentence."""
+    pool = qat_sentence_pool()
+    if len(pool) < sentences:
+        raise ValueError(f"qat_sentence_data: sentences={sentences} exceeds the QAT pool's {len(pool)} sentences")
+    return _tokenized(tokenizer, random.Random(QAT_SEED).sample(pool, sentences), batch)
 
 
 def _tokenized(tokenizer, sentences: Sequence[str], batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
