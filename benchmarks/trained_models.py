@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+import numpy
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -123,6 +124,9 @@ HELD_OUT_IMAGES = ("astronaut", "coffee", "chelsea", "rocket", "stereo_motorcycl
 CALIBRATION_CROPS, HELD_OUT_CROPS, IMAGE_BATCH = 64, 256, 16
 CALIBRATION_SEED, HELD_OUT_SEED = 0, 1
 QAT_SEED = 2  # QAT data: another draw from the calibration sources (qat_image_data, qat_sentence_data)
+# QAT only: natural photographs beyond the calibration images (none of them a
+# held-out scene); matplotlib ships with the trained-models extra.
+QAT_EXTRA_IMAGES = ("matplotlib:grace_hopper.jpg",)
 
 
 def _load_image(source: str) -> torch.Tensor:
@@ -131,6 +135,13 @@ def _load_image(source: str) -> torch.Tensor:
         from sklearn.datasets import load_sample_image
 
         array = load_sample_image(source.split(":", 1)[1])
+    elif source.startswith("matplotlib:"):
+        import matplotlib.cbook
+
+        array = matplotlib.cbook.get_sample_data(source.split(":", 1)[1], asfileobj=False)
+        from PIL import Image
+
+        array = numpy.asarray(Image.open(array).convert("RGB"))
     else:
         import skimage.data
 
@@ -195,10 +206,55 @@ def image_data(calibration_crops: int = CALIBRATION_CROPS, held_out_crops: int =
 
 
 def qat_image_data(crops: int, batch: int = IMAGE_BATCH) -> list[torch.Tensor]:
-    """Batches of `crops` crops of the calibration images (seed QAT_SEED):
-    QAT data, as many as fine-tuning wants, from the calibration sources
-    only (disjoint from the held-out set)."""
-    return _image_set(CALIBRATION_IMAGES, crops, QAT_SEED, batch)
+    """Batches of `crops` crops (seed QAT_SEED) of the calibration images and
+    QAT_EXTRA_IMAGES: QAT data, as many as fine-tuning wants, from sources
+    disjoint from the held-out set. Fine-tuning adds augment_images on top."""
+    return _image_set(CALIBRATION_IMAGES + QAT_EXTRA_IMAGES, crops, QAT_SEED, batch)
+
+
+def augment_images(x: torch.Tensor, g: torch.Generator, scale: tuple[float, float] = (0.25, 1.0),
+                   ratio: tuple[float, float] = (3 / 4, 4 / 3), jitter: float = 0.4,
+                   mixup: float = 0.5) -> torch.Tensor:
+    """QAT augmentation of a batch of normalised images (N, 3, H, W), drawn
+    from `g`: per image a random-resized crop (area share in `scale`, aspect
+    ratio in `ratio`, resized back to H x W), a horizontal flip at even odds,
+    brightness, contrast and saturation each scaled by a factor in
+    [1 - jitter, 1 + jitter]; then, with probability `mixup`, an image mixed
+    with another of the batch (weight in [0, 0.5] on the other; a
+    distillation teacher labels any input, so no mixed labels are needed).
+    Returns a tensor of x's shape and dtype."""
+    n, _, h, w = x.shape
+    mean = torch.tensor(IMAGENET_MEAN, dtype=x.dtype).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD, dtype=x.dtype).view(1, 3, 1, 1)
+    images = (x * std + mean).clamp(0, 1)
+
+    def uniform(low, high, size=()):
+        return low + (high - low) * torch.rand(size, generator=g, dtype=torch.float64)
+
+    out = []
+    for image in images:
+        area, log_ratio = uniform(*scale).item(), uniform(math.log(ratio[0]), math.log(ratio[1])).item()
+        ch = min(h, max(1, round(h * math.sqrt(area / math.exp(log_ratio)))))
+        cw = min(w, max(1, round(w * math.sqrt(area * math.exp(log_ratio)))))
+        top = int(torch.randint(0, h - ch + 1, (), generator=g))
+        left = int(torch.randint(0, w - cw + 1, (), generator=g))
+        crop = F.interpolate(image[None, :, top:top + ch, left:left + cw], size=(h, w), mode="bilinear",
+                             antialias=True, align_corners=False)[0]
+        if torch.rand((), generator=g).item() < 0.5:
+            crop = crop.flip(-1)
+        brightness, contrast, saturation = uniform(1 - jitter, 1 + jitter, (3,)).tolist()
+        crop = crop * brightness
+        grey = (0.299 * crop[0] + 0.587 * crop[1] + 0.114 * crop[2])[None]
+        crop = (crop - grey.mean()) * contrast + grey.mean()
+        grey = (0.299 * crop[0] + 0.587 * crop[1] + 0.114 * crop[2])[None]
+        out.append(((crop - grey) * saturation + grey).clamp(0, 1))
+    images = torch.stack(out)
+    if n > 1:
+        partner = (torch.arange(n) + int(torch.randint(1, n, (), generator=g))) % n  # never the image itself
+        weight = uniform(0, 0.5, (n,)).to(x.dtype) * (torch.rand(n, generator=g) < mixup).to(x.dtype)
+        weight = weight.view(n, 1, 1, 1)
+        images = (1 - weight) * images + weight * images[partner]
+    return ((images - mean) / std).to(x.dtype)
 
 
 # -- sentences ---------------------------------------------------------------
