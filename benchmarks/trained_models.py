@@ -11,7 +11,9 @@ errors.
     calibration, held_out = sentence_data(encoder.tokenizer)
 
 Data are split by source: no image and no module's docstrings appear in
-both the calibration and the held-out set. Sources, crop counts and seeds
+both the calibration and the held-out set. QAT data (qat_image_data with
+augment_images, qat_sentence_data) come from sources outside the held-out
+set too, and far more of them. Sources, crop counts and seeds
 are fixed here; the benchmark (bench_trained.py) and the tests
 (tests/flow/test_trained_models.py, reduced sizes) take them from this module.
 """
@@ -325,8 +327,12 @@ def _stdlib_sentences(modules: Sequence[str]) -> list[str]:
         out = Path(folder) / "sentences.json"
         code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import trained_models as tm; "
                 "json.dump(tm._importable_sentences(sys.argv[3:]), open(sys.argv[2], 'w'))")
-        subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parent), str(out), *modules],
-                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
+        child = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parent), str(out),
+                                *modules], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=600)
+        if child.returncode != 0:
+            last = (child.stderr.strip().splitlines() or ["no message"])[-1]
+            raise RuntimeError(f"qat_sentence_pool: the child interpreter importing the standard library failed: "
+                               f"{last}")
         return json.loads(out.read_text())
 
 
