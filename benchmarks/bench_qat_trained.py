@@ -66,7 +66,7 @@ PRESET = "w4a8"
 SETUPS = {
     "efficientnet_lite0": dict(metric="top1", loss="kl", temperature=2.0, lr=1e-4, qparam_lr=1e-5,
                                full=(64, 2400, 256, 300), quick=(32, 128, 32, 20), batch=8),
-    "minilm": dict(metric="cosine", loss="cosine", temperature=1.0, lr=1e-4, qparam_lr=1e-5,
+    "minilm": dict(metric="cosine", loss="cosine", temperature=1.0, lr=3e-5, qparam_lr=1e-5,
                    full=(128, 6400, 512, 500), quick=(64, 256, 64, 40), batch=16),
 }
 DIGITS = {"top1": 1, "cosine": 4}
