@@ -22,9 +22,13 @@ Flows, each from the float model:
   calibration so that the calibration forwards do not move them), the same
   distill call, then the eval switch and torchao's convert_pt2e.
 
-Calibration uses the calibration draw; QAT trains on a larger draw from the
-same sources (trained_models.qat_image_data / qat_sentence_data: sources
-disjoint from the held-out set; images flipped at random). The held-out
+Calibration uses the calibration draw; QAT trains on its own data, disjoint
+from the held-out set: crops of the calibration images and another
+photograph (trained_models.qat_image_data; 2400 crops, one per training
+sample), each batch augmented (trained_models.augment_images: random-resized
+crops, flips, colour jitter, mixup), and sentences of every standard-library
+module but the held-out ones (trained_models.qat_sentence_data; 6400 of a
+pool of about 6500). The held-out
 metric is top-1 agreement with the float model (EfficientNet-Lite0) or
 mean cosine to its embeddings (MiniLM), ± one standard error. Loss: KL at a
 temperature on logits, 1 - cosine on embeddings; Adam with a cosine decay.
@@ -61,9 +65,9 @@ PRESET = "w4a8"
 # samples, held-out samples, steps. Learning rates: weights `lr`, learnable ranges `qparam_lr`.
 SETUPS = {
     "efficientnet_lite0": dict(metric="top1", loss="kl", temperature=2.0, lr=1e-4, qparam_lr=1e-5,
-                               full=(64, 512, 256, 300), quick=(32, 128, 32, 20), batch=8),
-    "minilm": dict(metric="cosine", loss="cosine", temperature=1.0, lr=1e-4, qparam_lr=1e-5,
-                   full=(128, 768, 512, 500), quick=(64, 256, 64, 40), batch=16),
+                               full=(64, 2400, 256, 300), quick=(32, 128, 32, 20), batch=8),
+    "minilm": dict(metric="cosine", loss="cosine", temperature=1.0, lr=3e-5, qparam_lr=1e-5,
+                   full=(128, 6400, 512, 500), quick=(64, 256, 64, 40), batch=16),
 }
 DIGITS = {"top1": 1, "cosine": 4}
 FLOAT = {"top1": 100.0, "cosine": 1.0}  # the float model's own score
@@ -80,11 +84,10 @@ def _data(name: str, model, quick: bool):
     return calibration, qat_data, held_out, tm.embedding_metrics, steps
 
 
-def _flip(inputs: tuple) -> tuple:
-    """Image augmentation: a random horizontal flip of half the batch."""
-    (x,) = inputs
-    flip = torch.rand(len(x)) < 0.5
-    return (torch.where(flip[:, None, None, None], x.flip(-1), x),)
+def _image_augment(seed: int):
+    """distill's augment hook for images: trained_models.augment_images drawn from its own seeded generator."""
+    g = torch.Generator().manual_seed(seed)
+    return lambda inputs: (tm.augment_images(inputs[0], g),)
 
 
 def _stock_qat(model, data):
@@ -138,9 +141,10 @@ def run(name: str, quick: bool, flows) -> list:
         start = metric(convert(prepared))
         if flow == "ours":
             ptq_default = start.value
+        augment = _image_augment(tm.QAT_SEED) if name == "efficientnet_lite0" else None
         history = qat.distill(prepared, model, qat_data, steps=steps, loss=setup["loss"],
                               temperature=setup["temperature"], lr=setup["lr"], qparam_lr=setup["qparam_lr"],
-                              freeze_observers_after=0, augment=_flip if name == "efficientnet_lite0" else None,
+                              freeze_observers_after=0, augment=augment,
                               progress=False, desc=f"{name} {flow}")
         after = metric(convert(prepared))
         losses = history.losses

@@ -11,7 +11,9 @@ errors.
     calibration, held_out = sentence_data(encoder.tokenizer)
 
 Data are split by source: no image and no module's docstrings appear in
-both the calibration and the held-out set. Sources, crop counts and seeds
+both the calibration and the held-out set. QAT data (qat_image_data with
+augment_images, qat_sentence_data) come from sources outside the held-out
+set too, and far more of them. Sources, crop counts and seeds
 are fixed here; the benchmark (bench_trained.py) and the tests
 (tests/flow/test_trained_models.py, reduced sizes) take them from this module.
 """
@@ -20,14 +22,18 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import math
 import random
 import re
+import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+import numpy
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -120,6 +126,9 @@ HELD_OUT_IMAGES = ("astronaut", "coffee", "chelsea", "rocket", "stereo_motorcycl
 CALIBRATION_CROPS, HELD_OUT_CROPS, IMAGE_BATCH = 64, 256, 16
 CALIBRATION_SEED, HELD_OUT_SEED = 0, 1
 QAT_SEED = 2  # QAT data: another draw from the calibration sources (qat_image_data, qat_sentence_data)
+# QAT only: natural photographs beyond the calibration images (none of them a
+# held-out scene); matplotlib ships with the trained-models extra.
+QAT_EXTRA_IMAGES = ("matplotlib:grace_hopper.jpg",)
 
 
 def _load_image(source: str) -> torch.Tensor:
@@ -128,6 +137,13 @@ def _load_image(source: str) -> torch.Tensor:
         from sklearn.datasets import load_sample_image
 
         array = load_sample_image(source.split(":", 1)[1])
+    elif source.startswith("matplotlib:"):
+        import matplotlib.cbook
+
+        array = matplotlib.cbook.get_sample_data(source.split(":", 1)[1], asfileobj=False)
+        from PIL import Image
+
+        array = numpy.asarray(Image.open(array).convert("RGB"))
     else:
         import skimage.data
 
@@ -192,10 +208,55 @@ def image_data(calibration_crops: int = CALIBRATION_CROPS, held_out_crops: int =
 
 
 def qat_image_data(crops: int, batch: int = IMAGE_BATCH) -> list[torch.Tensor]:
-    """Batches of `crops` crops of the calibration images (seed QAT_SEED):
-    QAT data, as many as fine-tuning wants, from the calibration sources
-    only (disjoint from the held-out set)."""
-    return _image_set(CALIBRATION_IMAGES, crops, QAT_SEED, batch)
+    """Batches of `crops` crops (seed QAT_SEED) of the calibration images and
+    QAT_EXTRA_IMAGES: QAT data, as many as fine-tuning wants, from sources
+    disjoint from the held-out set. Fine-tuning adds augment_images on top."""
+    return _image_set(CALIBRATION_IMAGES + QAT_EXTRA_IMAGES, crops, QAT_SEED, batch)
+
+
+def augment_images(x: torch.Tensor, g: torch.Generator, scale: tuple[float, float] = (0.25, 1.0),
+                   ratio: tuple[float, float] = (3 / 4, 4 / 3), jitter: float = 0.4,
+                   mixup: float = 0.5) -> torch.Tensor:
+    """QAT augmentation of a batch of normalised images (N, 3, H, W), drawn
+    from `g`: per image a random-resized crop (area share in `scale`, aspect
+    ratio in `ratio`, resized back to H x W), a horizontal flip at even odds,
+    brightness, contrast and saturation each scaled by a factor in
+    [1 - jitter, 1 + jitter]; then, with probability `mixup`, an image mixed
+    with another of the batch (weight in [0, 0.5] on the other; a
+    distillation teacher labels any input, so no mixed labels are needed).
+    Returns a tensor of x's shape and dtype."""
+    n, _, h, w = x.shape
+    mean = torch.tensor(IMAGENET_MEAN, dtype=x.dtype).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD, dtype=x.dtype).view(1, 3, 1, 1)
+    images = (x * std + mean).clamp(0, 1)
+
+    def uniform(low, high, size=()):
+        return low + (high - low) * torch.rand(size, generator=g, dtype=torch.float64)
+
+    out = []
+    for image in images:
+        area, log_ratio = uniform(*scale).item(), uniform(math.log(ratio[0]), math.log(ratio[1])).item()
+        ch = min(h, max(1, round(h * math.sqrt(area / math.exp(log_ratio)))))
+        cw = min(w, max(1, round(w * math.sqrt(area * math.exp(log_ratio)))))
+        top = int(torch.randint(0, h - ch + 1, (), generator=g))
+        left = int(torch.randint(0, w - cw + 1, (), generator=g))
+        crop = F.interpolate(image[None, :, top:top + ch, left:left + cw], size=(h, w), mode="bilinear",
+                             antialias=True, align_corners=False)[0]
+        if torch.rand((), generator=g).item() < 0.5:
+            crop = crop.flip(-1)
+        brightness, contrast, saturation = uniform(1 - jitter, 1 + jitter, (3,)).tolist()
+        crop = crop * brightness
+        grey = (0.299 * crop[0] + 0.587 * crop[1] + 0.114 * crop[2])[None]
+        crop = (crop - grey.mean()) * contrast + grey.mean()
+        grey = (0.299 * crop[0] + 0.587 * crop[1] + 0.114 * crop[2])[None]
+        out.append(((crop - grey) * saturation + grey).clamp(0, 1))
+    images = torch.stack(out)
+    if n > 1:
+        partner = (torch.arange(n) + int(torch.randint(1, n, (), generator=g))) % n  # never the image itself
+        weight = uniform(0, 0.5, (n,)).to(x.dtype) * (torch.rand(n, generator=g) < mixup).to(x.dtype)
+        weight = weight.view(n, 1, 1, 1)
+        images = (1 - weight) * images + weight * images[partner]
+    return ((images - mean) / std).to(x.dtype)
 
 
 # -- sentences ---------------------------------------------------------------
@@ -252,13 +313,62 @@ def sentence_data(tokenizer, calibration_sentences: int = CALIBRATION_SENTENCES,
     return _tokenized(tokenizer, calibration, batch), _tokenized(tokenizer, held_out, batch)
 
 
+# Never imported for the QAT pool: modules whose import acts (opens a browser,
+# prints) and the private ones (underscore names: C accelerators, few docstrings).
+_NOT_IMPORTED = ("antigravity", "this")
+_QAT_POOL: list = []  # the QAT sentence pool, built once per process
+
+
+def _stdlib_sentences(modules: Sequence[str]) -> list[str]:
+    """_sentences of each importable module of `modules`, deduplicated, in
+    order; run in a child interpreter so that importing the whole standard
+    library (tkinter, turtle, multiprocessing, ...) leaves this process as it was."""
+    with tempfile.TemporaryDirectory(prefix="qat-sentences-") as folder:
+        out = Path(folder) / "sentences.json"
+        code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import trained_models as tm; "
+                "json.dump(tm._importable_sentences(sys.argv[3:]), open(sys.argv[2], 'w'))")
+        child = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parent), str(out),
+                                *modules], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=600)
+        if child.returncode != 0:
+            last = (child.stderr.strip().splitlines() or ["no message"])[-1]
+            raise RuntimeError(f"qat_sentence_pool: the child interpreter importing the standard library failed: "
+                               f"{last}")
+        return json.loads(out.read_text())
+
+
+def _importable_sentences(modules: Sequence[str]) -> list[str]:
+    """_sentences of each module of `modules` that imports, deduplicated, in order."""
+    out = []
+    for name in modules:
+        try:
+            out += _sentences(name)
+        except Exception:  # noqa: BLE001 - platform-only or broken modules: not part of this pool
+            continue
+    return list(dict.fromkeys(out))
+
+
+def qat_sentence_pool() -> list[str]:
+    """The QAT sentence pool: the docstring sentences (_sentences) of every
+    importable standard-library module (sys.stdlib_module_names, in sorted
+    order, the private and acting ones left out) except HELD_OUT_MODULES,
+    less every sentence of a held-out module's pool. Deterministic for an
+    interpreter; built once per process."""
+    if not _QAT_POOL:
+        modules = sorted(m for m in sys.stdlib_module_names
+                         if not m.startswith("_") and m not in _NOT_IMPORTED and m not in HELD_OUT_MODULES)
+        held_out = {s for m in HELD_OUT_MODULES for s in _sentences(m)}  # any held-out draw's pool
+        _QAT_POOL.extend(s for s in _stdlib_sentences(modules) if s not in held_out)
+    return list(_QAT_POOL)
+
+
 def qat_sentence_data(tokenizer, sentences: int, batch: int = TEXT_BATCH):
-    """Batches of `sentences` sentences of the calibration modules (seed
-    QAT_SEED; at most the 848 of their pool): QAT data from the calibration
-    sources only, none of them a held-out sentence."""
-    held_out = {s for m in HELD_OUT_MODULES for s in _sentences(m)}  # any held-out draw's pool
-    chosen = [s for s in _sentence_set(CALIBRATION_MODULES, sentences, QAT_SEED) if s not in held_out]
-    return _tokenized(tokenizer, chosen, batch)
+    """Batches of `sentences` sentences drawn (seed QAT_SEED) from
+    qat_sentence_pool: QAT data from the whole standard library but the
+    held-out modules, none of them a held-out sentence."""
+    pool = qat_sentence_pool()
+    if len(pool) < sentences:
+        raise ValueError(f"qat_sentence_data: sentences={sentences} exceeds the QAT pool's {len(pool)} sentences")
+    return _tokenized(tokenizer, random.Random(QAT_SEED).sample(pool, sentences), batch)
 
 
 def _tokenized(tokenizer, sentences: Sequence[str], batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
