@@ -63,11 +63,12 @@ MODELS = ("efficientnet_lite0", "minilm")
 PRESET = "w4a8"
 # Per model: the metric, the distillation loss, and (full, quick) sizes: calibration samples, QAT
 # samples, held-out samples, steps. Learning rates: weights `lr`, learnable ranges `qparam_lr`.
+# `batch`: calibration and held-out batches; `qat_batch` (default `batch`): the QAT batches.
 SETUPS = {
     "efficientnet_lite0": dict(metric="top1", loss="kl", temperature=2.0, lr=1e-4, qparam_lr=1e-5,
                                full=(64, 2400, 256, 300), quick=(32, 128, 32, 20), batch=8),
-    "minilm": dict(metric="cosine", loss="cosine", temperature=1.0, lr=3e-5, qparam_lr=1e-5,
-                   full=(128, 6400, 512, 500), quick=(64, 256, 64, 40), batch=16),
+    "minilm": dict(metric="cosine", loss="cosine", temperature=1.0, lr=1e-4, qparam_lr=1e-5,
+                   full=(128, 6400, 512, 500), quick=(64, 256, 64, 40), batch=16, qat_batch=64),
 }
 DIGITS = {"top1": 1, "cosine": 4}
 FLOAT = {"top1": 100.0, "cosine": 1.0}  # the float model's own score
@@ -80,7 +81,7 @@ def _data(name: str, model, quick: bool):
         calibration, held_out = tm.image_data(calibration_n, held_n, batch=setup["batch"])
         return calibration, tm.qat_image_data(qat_n, batch=setup["batch"]), held_out, tm.classifier_metrics, steps
     calibration, held_out = tm.sentence_data(model.tokenizer, calibration_n, held_n, batch=setup["batch"])
-    qat_data = tm.qat_sentence_data(model.tokenizer, qat_n, batch=setup["batch"])
+    qat_data = tm.qat_sentence_data(model.tokenizer, qat_n, batch=setup.get("qat_batch", setup["batch"]))
     return calibration, qat_data, held_out, tm.embedding_metrics, steps
 
 
