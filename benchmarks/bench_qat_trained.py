@@ -20,7 +20,10 @@ Flows, each from the float model:
   is_per_channel=True, is_qat=True, weight_qmin=-8, weight_qmax=7)), batch
   norms frozen before calibration (torchao's recipe freezes them; before
   calibration so that the calibration forwards do not move them), the same
-  distill call, then the eval switch and torchao's convert_pt2e.
+  distill call, then the eval switch and torchao's convert_pt2e. It
+  exports a copy of the float model: XNNPACKQuantizer's prepared graph
+  keeps the exported module's parameters, so training it would train the
+  teacher (and the model every later flow starts from) too.
 
 Calibration uses the calibration draw; QAT trains on its own data, disjoint
 from the held-out set: crops of the calibration images and another
@@ -96,8 +99,10 @@ def _stock_qat(model, data):
     from torchao.testing.pt2e._xnnpack_quantizer import XNNPACKQuantizer, get_symmetric_quantization_config
 
     config = get_symmetric_quantization_config(is_per_channel=True, is_qat=True, weight_qmin=-8, weight_qmax=7)
-    prepared = prepare_qat_pt2e(pipeline.export(model.train(), data[0]), XNNPACKQuantizer().set_global(config))
-    model.eval()
+    # The export of a module holds that module's own parameters and XNNPACKQuantizer's prepare keeps
+    # them, so QAT of an export of `model` would train the teacher too: the student trains a copy.
+    prepared = prepare_qat_pt2e(pipeline.export(copy.deepcopy(model).train(), data[0]),
+                                XNNPACKQuantizer().set_global(config))
     qat.freeze_batch_norms(prepared)
     pipeline.calibrate(prepared, data, progress=False)
     return prepared
