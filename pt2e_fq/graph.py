@@ -14,6 +14,8 @@ nodes are constants (`is_constant`), a point's name, module path and role
 check that no point holds non-finite qparams (`check_finite_qparams`), and
 `as_args`: example inputs as the positional-argument tuple torch.export,
 the prepared model and the exporters take (a single tensor is one argument).
+An input rotation's matrix (pt2e_fq.calib.rotation) is no weight: its
+buffer's name (`ROTATION_BUFFER`), which survives export, says so.
 """
 
 from __future__ import annotations
@@ -98,6 +100,14 @@ def as_args(example_inputs) -> tuple:
 
 # -- the graph's vocabulary: constants, weights, points -----------------------------
 
+# The buffers of input rotations (pt2e_fq.calib.rotation) are named ROTATION_BUFFER + an index.
+ROTATION_BUFFER = "_input_rotation_"
+
+
+def is_rotation_matrix(target: str) -> bool:
+    """Whether a get_attr target (or a state-dict name) is an input rotation's matrix."""
+    return target.rpartition(".")[2].startswith(ROTATION_BUFFER)
+
 
 def is_constant(node: torch.fx.Node) -> bool:
     """A get_attr, or ops on get_attrs only (the QAT scaled conv weight)."""
@@ -117,7 +127,7 @@ def weight_readers(gm: torch.fx.GraphModule, is_point) -> dict[str, tuple[tuple,
     program's fake-quant call on constants before it meets its op)."""
     found = {}
     for node in gm.graph.nodes:
-        if node.op != "get_attr":
+        if node.op != "get_attr" or is_rotation_matrix(node.target):
             continue
         value = functools.reduce(getattr, node.target.split("."), gm)
         if not (isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() >= 2):

@@ -59,6 +59,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from pt2e_fq import QSpec
+from pt2e_fq.calib.rotation import check_block_size
 from pt2e_fq.files import write_text
 
 from .patterns import ACTIVATIONS, OP_TYPES
@@ -66,7 +67,7 @@ from .qspec_dict import ConfigError, check_keys, qspec_from_dict, qspec_to_dict
 
 OP_CONFIG_KEYS = ("input_activation", "weight", "bias", "output_activation")
 _SECTIONS = ("operator_type", "module_type", "module_name", "module_name_regex")
-CONFIG_KEYS = ("global", *_SECTIONS, "model_output", "fuse_conv_add", "fuse_activations")
+CONFIG_KEYS = ("global", *_SECTIONS, "model_output", "fuse_conv_add", "fuse_activations", "input_rotation")
 FILE_SUFFIXES = (".yaml", ".yml", ".json")
 
 
@@ -156,6 +157,10 @@ def _activation_names(where: str, names, error=TypeError) -> tuple[str, ...]:
     return tuple(n for n in ACTIVATIONS if n in set(names))
 
 
+def _block_size_or_none(where: str, value) -> Optional[int]:
+    return None if value is None else check_block_size(where, value)
+
+
 @dataclass
 class Resolution:
     """The op config chosen for an op and the rule that chose it."""
@@ -173,18 +178,23 @@ class QuantizerConfig:
         fuse_conv_add: a conv2d whose output goes only into a residual add keeps it float, the add's
             other input and output quantized (Inductor's conv-add-relu in one int8 call).
         fuse_activations: the activations quantized together with the op before them.
+        input_rotation: the Hadamard block size linears' inputs are rotated in, or None (off).
 
     Raises:
-        TypeError: global_config not an OpConfig or None, a flag not a bool, fuse_activations not a list.
+        TypeError: global_config not an OpConfig or None, a flag not a bool, fuse_activations not a list,
+            input_rotation not an int or None.
         ConfigError: an unknown activation name.
+        ValueError: input_rotation not a power of two >= 2.
     """
 
     def __init__(self, global_config: Optional[OpConfig] = None, model_output: bool = False,
-                 fuse_conv_add: bool = False, fuse_activations: Sequence[str] = tuple(ACTIVATIONS)):
+                 fuse_conv_add: bool = False, fuse_activations: Sequence[str] = tuple(ACTIVATIONS),
+                 input_rotation: Optional[int] = None):
         self.global_config = _op_config_or_none("QuantizerConfig", global_config)
         self.model_output = _bool("QuantizerConfig: model_output", model_output)
         self.fuse_conv_add = _bool("QuantizerConfig: fuse_conv_add", fuse_conv_add)
         self.fuse_activations = _activation_names("QuantizerConfig: fuse_activations", fuse_activations)
+        self.input_rotation = _block_size_or_none("QuantizerConfig: input_rotation", input_rotation)
         self.operator_type: dict[str, Optional[OpConfig]] = {}
         self.module_type: dict[type, Optional[OpConfig]] = {}
         self.module_name: dict[str, Optional[OpConfig]] = {}
@@ -212,6 +222,12 @@ class QuantizerConfig:
         "gelu", ...) quantized together with the op before them; [] puts
         every op's output point right after the op (see the module doc)."""
         self.fuse_activations = _activation_names("set_fuse_activations: names", names)
+        return self
+
+    def set_input_rotation(self, block_size: Optional[int]) -> "QuantizerConfig":
+        """Rotates linears' inputs in Hadamard blocks of `block_size` channels
+        (a power of two), or not (None); see the module doc."""
+        self.input_rotation = _block_size_or_none("set_input_rotation: block_size", block_size)
         return self
 
     def set_operator_type(self, op_type: str, config: Optional[OpConfig]) -> "QuantizerConfig":
@@ -275,6 +291,7 @@ class QuantizerConfig:
             "model_output": self.model_output,
             "fuse_conv_add": self.fuse_conv_add,
             "fuse_activations": list(self.fuse_activations),
+            "input_rotation": self.input_rotation,
         }
 
     @classmethod
@@ -288,6 +305,11 @@ class QuantizerConfig:
             config.fuse_conv_add = _bool("fuse_conv_add", d["fuse_conv_add"], ConfigError)
         if "fuse_activations" in d:
             config.fuse_activations = _activation_names("fuse_activations", d["fuse_activations"], ConfigError)
+        if "input_rotation" in d:
+            try:
+                config.input_rotation = _block_size_or_none("input_rotation", d["input_rotation"])
+            except (TypeError, ValueError) as e:
+                raise ConfigError(str(e)) from None
         for section in _SECTIONS:
             entries = d.get(section) or {}
             if not isinstance(entries, dict):
