@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -64,6 +65,7 @@ from quantizers import presets  # noqa: E402
 
 MODELS = ("efficientnet_lite0", "minilm")
 PRESET = "w4a8"
+ROTATION_BLOCK = 128  # "ours rotated": QuantizerConfig.set_input_rotation's Hadamard block
 # Per model: the metric, the distillation loss, and (full, quick) sizes: calibration samples, QAT
 # samples, held-out samples, steps. Learning rates: weights `lr`, learnable ranges `qparam_lr`.
 # `batch`: calibration and held-out batches; `qat_batch` (default `batch`): the QAT batches.
@@ -114,10 +116,16 @@ def _stock_convert(prepared):
     return torchao_convert(move_exported_model_to_eval(copy.deepcopy(prepared)))
 
 
-def _ours(model, data, learnable: bool):
+def _ours(model, data, flow: str):
     config = presets.int8_edges(presets.get_preset(PRESET), model)
-    if learnable:
+    if flow == "ours learnable":
         presets.learnable_ranges(config)
+    if flow.startswith("ours rotated"):
+        config.set_input_rotation(ROTATION_BLOCK)
+    if flow == "ours rotated, asymmetric int4":  # w4a8's int4 groups with a zero point each
+        weight = config.global_config.weight
+        config.set_global(dataclasses.replace(config.global_config, weight=dataclasses.replace(
+            weight, scheme="asymmetric")))
     prepared = pipeline.prepare(model, data[0], config)
     pipeline.calibrate(prepared, data, progress=False)
     return pipeline.start_qat_from_ptq(prepared, model, data, PRESET)
@@ -143,7 +151,7 @@ def run(name: str, quick: bool, flows) -> list:
         if flow == "XNNPACKQuantizer QAT":
             prepared, convert = _stock_qat(model, calibration), _stock_convert
         else:
-            prepared, convert = _ours(model, calibration, learnable=flow == "ours learnable"), _ours_convert
+            prepared, convert = _ours(model, calibration, flow), _ours_convert
         start = metric(convert(prepared))
         if flow == "ours":
             ptq_default = start.value
@@ -163,7 +171,7 @@ def run(name: str, quick: bool, flows) -> list:
     return rows
 
 
-FLOWS = ("XNNPACKQuantizer QAT", "ours", "ours learnable")
+FLOWS = ("XNNPACKQuantizer QAT", "ours", "ours learnable", "ours rotated", "ours rotated, asymmetric int4")
 
 
 def main(argv=None) -> None:
