@@ -15,6 +15,10 @@ Flows, each from the float model:
   default that a flow's QAT closes;
 - "ours learnable": the same with presets.learnable_ranges (LSQ scales,
   LSQ+ offsets of the asymmetric activations, their own learning rate);
+- "ours rotated": the same with QuantizerConfig.set_input_rotation(128)
+  (every linear's input rotated in Hadamard blocks of 128, folded into its
+  weight); "ours rotated, asymmetric int4": that on int4 groups with a
+  zero point each;
 - "XNNPACKQuantizer QAT": torchao's prepare_qat_pt2e on a train-mode export
   with XNNPACKQuantizer().set_global(get_symmetric_quantization_config(
   is_per_channel=True, is_qat=True, weight_qmin=-8, weight_qmax=7)), batch
