@@ -176,7 +176,8 @@ def rotate_linear_inputs(gm: GraphModule, block_size: int, wanted: Callable[[Nod
                 by_input.setdefault(node.args[0], []).append(node)
     if not by_input:
         return report
-    rotations: dict[torch.dtype, str] = {}
+    rotations: dict[torch.dtype, str] = {}  # one buffer per input dtype
+    r = hadamard_rotation(block_size, seed)  # float64, for folding into the weights
     for x, linears in by_input.items():
         dtype = x.meta["val"].dtype
         if dtype not in rotations:
@@ -184,7 +185,6 @@ def rotate_linear_inputs(gm: GraphModule, block_size: int, wanted: Callable[[Nod
             gm.register_buffer(name, hadamard_rotation(block_size, seed, dtype))
             rotations[dtype] = name
         rotated = _insert_rotation(gm, x, rotations[dtype], block_size, linears[0].meta.get("nn_module_stack"))
-        r = hadamard_rotation(block_size, seed)
         for linear in linears:
             linear.replace_input_with(x, rotated)
             weight = _attr(gm, linear.args[1].target)
