@@ -41,9 +41,9 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..graph import ROTATION_BUFFER
+from .layers import LINEAR, _tensor
 
 aten = torch.ops.aten
-LINEAR = aten.linear.default
 ROTATION = "pt2e_fq_rotation"  # node.meta key of the inserted nodes
 SEED = 0  # the sign vector's seed: the same graph and block size give the same rotation
 
@@ -84,17 +84,12 @@ def hadamard_rotation(block_size: int, seed: int = SEED, dtype: torch.dtype = to
     return (signs[:, None].to(torch.float64) * h / math.sqrt(block_size)).to(dtype)
 
 
-def _attr(gm: torch.nn.Module, target: str):
-    owner, _, name = target.rpartition(".")
-    return getattr(gm.get_submodule(owner) if owner else gm, name)
-
-
 def _why_not(gm: GraphModule, linear: Node, block_size: int, readers_of: dict) -> str:
     """Why `linear` cannot be rotated, or ''."""
     x, w = linear.args[0], linear.args[1]
     if not (isinstance(w, Node) and w.op == "get_attr"):
         return "its weight is not a parameter of the model"
-    weight = _attr(gm, w.target)
+    weight = _tensor(gm, w.target)
     if len(w.users) > 1 or readers_of[id(weight)] > 1:
         return "its weight is read elsewhere too (tied weights)"
     if weight.dim() != 2 or weight.shape[1] % block_size:
@@ -132,7 +127,7 @@ def _insert_rotation(gm: GraphModule, x: Node, matrix_name: str, block_size: int
         rotated_blocks = graph.call_function(aten.matmul.default, (blocks, matrix))
     with graph.inserting_after(rotated_blocks):
         rotated = graph.call_function(aten.flatten.using_ints, (rotated_blocks, -2, -1))
-    _set_fake_values(x.meta["val"], _attr(gm, matrix_name), (matrix, blocks, rotated_blocks, rotated))
+    _set_fake_values(x.meta["val"], _tensor(gm, matrix_name), (matrix, blocks, rotated_blocks, rotated))
     for node in (matrix, blocks, rotated_blocks, rotated):
         node.meta[ROTATION] = True
         if stack is not None:
@@ -164,7 +159,7 @@ def rotate_linear_inputs(gm: GraphModule, block_size: int, wanted: Callable[[Nod
     readers_of: dict[int, int] = {}
     for node in gm.graph.nodes:
         if node.op == "get_attr":
-            value = _attr(gm, node.target)
+            value = _tensor(gm, node.target)
             readers_of[id(value)] = readers_of.get(id(value), 0) + 1
     by_input: dict[Node, list[Node]] = {}
     for node in gm.graph.nodes:
@@ -187,7 +182,7 @@ def rotate_linear_inputs(gm: GraphModule, block_size: int, wanted: Callable[[Nod
         rotated = _insert_rotation(gm, x, rotations[dtype], block_size, linears[0].meta.get("nn_module_stack"))
         for linear in linears:
             linear.replace_input_with(x, rotated)
-            weight = _attr(gm, linear.args[1].target)
+            weight = _tensor(gm, linear.args[1].target)
             with torch.no_grad():
                 folded = (weight.double().unflatten(1, (-1, block_size)) @ r).flatten(1)
                 weight.copy_(folded.to(weight.dtype))
