@@ -178,7 +178,8 @@ class QuantizerConfig:
         fuse_conv_add: a conv2d whose output goes only into a residual add keeps it float, the add's
             other input and output quantized (Inductor's conv-add-relu in one int8 call).
         fuse_activations: the activations quantized together with the op before them.
-        input_rotation: the Hadamard block size linears' inputs are rotated in, or None (off).
+        input_rotation: the Hadamard block size the inputs of linears and convolutions (groups 1) are
+            rotated in, or None (off).
 
     Raises:
         TypeError: global_config not an OpConfig or None, a flag not a bool, fuse_activations not a list,
@@ -225,8 +226,9 @@ class QuantizerConfig:
         return self
 
     def set_input_rotation(self, block_size: Optional[int]) -> "QuantizerConfig":
-        """Rotates linears' inputs in Hadamard blocks of `block_size` channels
-        (a power of two), or not (None); see the module doc."""
+        """Rotates the inputs of linears and convolutions (groups 1) in
+        Hadamard blocks of `block_size` channels (a power of two), or not
+        (None); see the module doc."""
         self.input_rotation = _block_size_or_none("set_input_rotation: block_size", block_size)
         return self
 

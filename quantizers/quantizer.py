@@ -19,13 +19,14 @@ from torch.fx import GraphModule, Node
 from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, Quantizer, SharedQuantizationSpec
 
 from pt2e_fq import QSpec
-from pt2e_fq.calib.rotation import rotate_linear_inputs
+from pt2e_fq.calib.rotation import rotate_inputs
 from pt2e_fq.eval_mode import record_batch_norms, restore_batch_norms
 from pt2e_fq.flow import own_tensors
 from pt2e_fq.ops.blocks import reduced_shape
 from pt2e_fq.graph import float_weights_text
 
 from .config import OP_CONFIG_KEYS, QuantizerConfig
+from .patterns import op_type
 from .plan import Plan, PlannedInput, PlannedPoint, build_plan, module_stack, node_or_edge_name
 
 # What the fused op takes (docs/fake_quantize.md).
@@ -100,8 +101,8 @@ class FakeQuantQuantizer(Quantizer):
         Records each batch norm's momentum and eps in `model.meta`:
         prepare_qat_pt2e's conv-bn fusion, which runs after this hook, writes
         0.1 and 1e-5 into every one (pt2e_fq.eval_mode). With the config's
-        `input_rotation`, rotates the inputs of the linears whose input or
-        weight the config quantizes (pt2e_fq.calib.rotation), warning about
+        `input_rotation`, rotates the inputs of the linears and convolutions
+        whose input or weight the config quantizes (pt2e_fq.calib.rotation), warning about
         any it had to leave unrotated; the report is `model.meta["input_rotation"]`.
 
         Args:
@@ -118,13 +119,13 @@ class FakeQuantQuantizer(Quantizer):
 
     def _rotate(self, model: GraphModule) -> None:
         def quantized(node) -> bool:
-            cfg = self.config.resolve("linear", module_stack(node)).config
+            cfg = self.config.resolve(op_type(node), module_stack(node)).config
             return cfg is not None and (cfg.input_activation is not None or cfg.weight is not None)
 
-        report = rotate_linear_inputs(model, self.config.input_rotation, wanted=quantized)
+        report = rotate_inputs(model, self.config.input_rotation, wanted=quantized)
         model.meta["input_rotation"] = report
         if report.skipped:
-            warnings.warn(f"FakeQuantQuantizer: {len(report.skipped)} linear(s) left unrotated:\n{report}",
+            warnings.warn(f"FakeQuantQuantizer: {len(report.skipped)} layer(s) left unrotated:\n{report}",
                           stacklevel=3)
 
     def prepare_obs_or_fq_callback(self, model: GraphModule, edge_or_node_to_obs_or_fq: dict) -> None:

@@ -1,34 +1,45 @@
-"""Randomised Hadamard rotation of linears' inputs (QuaRot, Ashkboos et al.,
-2024; QuIP#, Tseng et al., 2024), a graph transform run before annotation.
+"""Randomised Hadamard rotation of the inputs of linears and convolutions
+(QuaRot, Ashkboos et al., 2024; QuIP#, Tseng et al., 2024), a graph
+transform run before annotation.
 
 A linear y = x W^T computes the same function as y = (x R)(W R)^T for any
 orthogonal R. With R a randomised Hadamard transform, x R spreads each
 channel's outliers over all channels of its block, so a per-tensor int8
 grid on x R loses far less than one on x (a transformer's GELU outputs and
 LayerNorm outputs carry a few channels tens of times larger than the rest);
-W R is rotated the same way, which spreads its outlier columns as well.
+W R is rotated the same way, which spreads its outlier columns as well. A
+convolution with groups 1 is a linear over its input channels at every
+kernel tap, so the same holds with R applied over the input's channel
+dimension and over dimension 1 of the weight (out, in, *kernel); zero
+padding rotates to zero padding.
 
-R here is block diagonal: blocks of `block_size` channels (a power of two),
-each the Sylvester Hadamard matrix scaled by 1 / sqrt(block_size) with its
-rows' signs flipped by a seeded random +-1 vector (D H; D H (D H)^T = I).
-One (block_size, block_size) matrix serves every block of every rotated
-tensor, so the rotation is three ops on x (unflatten to blocks, a matmul
-with that matrix, flatten) costing block_size multiply-adds per element:
-128 is a third of a 384-wide linear's own cost per input element.
+R here is block diagonal: blocks of b channels, each the Sylvester Hadamard
+matrix of b scaled by 1 / sqrt(b) with its rows' signs flipped by a seeded
+random +-1 vector (D H; D H (D H)^T = I). b is the largest power of two
+that divides the tensor's channels, at most `block_size`: 128 for a
+384-wide transformer, 8 to 128 for the 16- to 1152-wide convolutions of a
+mobile CNN. One (b, b) matrix serves every block of every rotated tensor
+of that b, so the rotation is three ops on x (unflatten to blocks, a
+matmul with that matrix, flatten) costing b multiply-adds per element: 128
+is a third of a 384-wide linear's own cost per input element. A
+convolution's input has its channels moved last before and back after
+(two permutes).
 
-The transform (rotate_linear_inputs):
-- inserts the three ops once per rotated tensor, right after it; every
-  rotated linear reading that tensor (q, k and v after one LayerNorm)
-  reads the rotated one, and other readers (a residual add) the original;
-- folds R into each rotated linear's weight, in place, computed in float64;
+The transform (rotate_inputs):
+- inserts the ops once per rotated tensor, right after it; every rotated
+  layer reading that tensor (q, k and v after one LayerNorm) reads the
+  rotated one, and other readers (a residual add) the original;
+- folds R into each rotated layer's weight, in place, computed in float64;
 - marks the inserted nodes with `node.meta[ROTATION] = True`, and the
   quantizer leaves them float (quantizers.patterns.match): the fake-quant
-  points are those of the linears, on x R and W R.
+  points are those of the layers, on x R and W R.
 
-A linear is rotated when its weight is a parameter read by it alone (a
-weight tied to an embedding would change the embedding) and its input
-channels are a multiple of block_size; every other linear the caller asks
-for is reported with the reason it was left as it was.
+A layer is rotated when its weight is a parameter read by it alone (a
+weight tied to an embedding would change the embedding), its input
+channels are even and, for a convolution, its groups
+are 1 (a depthwise conv mixes no channels, so it cannot absorb R); every
+other layer the caller asks for is reported with the reason it was left as
+it was.
 """
 
 from __future__ import annotations
@@ -50,15 +61,18 @@ SEED = 0  # the sign vector's seed: the same graph and block size give the same 
 
 @dataclass
 class RotationReport:
-    """What rotate_linear_inputs did: the rotated linears' nodes, and the
-    linears it was asked to rotate but left as they were, with why."""
+    """What rotate_inputs did: the rotated layers' nodes, and the layers it
+    was asked to rotate but left as they were, with why."""
 
     block_size: int
-    rotated: list[str] = field(default_factory=list)
+    rotated: dict[str, int] = field(default_factory=dict)  # layer -> its block
     skipped: dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
-        lines = [f"input rotation (Hadamard blocks of {self.block_size}): {len(self.rotated)} linear(s) rotated"]
+        blocks = ", ".join(f"{n} in blocks of {b}" for b in sorted(set(self.rotated.values()), reverse=True)
+                           for n in [sum(v == b for v in self.rotated.values())])
+        lines = [f"input rotation (Hadamard blocks of at most {self.block_size}): "
+                 f"{len(self.rotated)} layer(s) rotated" + (f" ({blocks})" if blocks else "")]
         lines += [f"  left as it was: {name}: {why}" for name, why in self.skipped.items()]
         return "\n".join(lines)
 
@@ -84,23 +98,65 @@ def hadamard_rotation(block_size: int, seed: int = SEED, dtype: torch.dtype = to
     return (signs[:, None].to(torch.float64) * h / math.sqrt(block_size)).to(dtype)
 
 
-def _why_not(gm: GraphModule, linear: Node, block_size: int, readers_of: dict) -> str:
-    """Why `linear` cannot be rotated, or ''."""
-    x, w = linear.args[0], linear.args[1]
+# The layers whose inputs can be rotated: aten op -> the input's channel
+# dimension, counted from the end (a convolution's input is (N, C, *spatial)
+# or (C, *spatial)). A convolution with groups 1 is a linear over its input
+# channels at each kernel tap, so the same fold applies along its weight's
+# dimension 1; a grouped one (a depthwise conv) mixes no channels and cannot
+# absorb R.
+CHANNEL_DIM = {
+    LINEAR: -1,
+    aten.conv1d.default: -2, aten.conv1d.padding: -2,
+    aten.conv2d.default: -3, aten.conv2d.padding: -3,
+    aten.conv3d.default: -4, aten.conv3d.padding: -4,
+}
+_GROUPS_ARG = 6  # a convolution's groups: (input, weight, bias, stride, padding, dilation, groups)
+
+
+def _groups(layer: Node) -> int:
+    if layer.target is LINEAR:
+        return 1
+    return int(layer.args[_GROUPS_ARG] if len(layer.args) > _GROUPS_ARG else layer.kwargs.get("groups", 1))
+
+
+def block_of(channels: int, block_size: int) -> int:
+    """The largest power of two that divides `channels`, at most `block_size`."""
+    return min(block_size, channels & -channels)
+
+
+def _why_not(gm: GraphModule, layer: Node, readers_of: dict) -> str:
+    """Why `layer` cannot be rotated, or ''."""
+    x, w = layer.args[0], layer.args[1]
+    if _groups(layer) != 1:
+        return f"it is a convolution with {_groups(layer)} groups (it mixes no channels across groups)"
     if not (isinstance(w, Node) and w.op == "get_attr"):
         return "its weight is not a parameter of the model"
     weight = _tensor(gm, w.target)
     if len(w.users) > 1 or readers_of[id(weight)] > 1:
         return "its weight is read elsewhere too (tied weights)"
-    if weight.dim() != 2 or weight.shape[1] % block_size:
-        return f"its {weight.shape[-1]} input channels are not a multiple of {block_size}"
+    if weight.shape[1] % 2:
+        return f"its {weight.shape[1]} input channels are odd (no Hadamard block divides them)"
     val = x.meta.get("val") if isinstance(x, Node) else None
     if not isinstance(val, torch.Tensor) or not val.is_floating_point():
         return "its input is not a float tensor of the graph"
     return ""
 
 
-def _set_fake_values(value: torch.Tensor, matrix: torch.Tensor, nodes: tuple) -> None:
+def _rotation_steps(rank: int, channel_dim: int, block_size: int) -> list:
+    """(aten op, arguments after the tensor) that rotate the channels of a
+    tensor of `rank` dimensions in blocks; None stands for the matrix. The
+    channels are moved last and back when they are not last already."""
+    steps = [(aten.unflatten.int, (-1, [-1, block_size])), (aten.matmul.default, (None,)),
+             (aten.flatten.using_ints, (-2, -1))]
+    if channel_dim == -1:
+        return steps
+    c = rank + channel_dim
+    to_last = [d for d in range(rank) if d != c] + [c]
+    back = sorted(range(rank), key=to_last.__getitem__)
+    return [(aten.permute.default, (to_last,)), *steps, (aten.permute.default, (back,))]
+
+
+def _set_fake_values(value: torch.Tensor, matrix: torch.Tensor, steps: list, nodes: list) -> None:
     """The nodes' meta["val"] (the planner reads shapes and dtypes there),
     computed under the fake mode of `value`, the rotated tensor's."""
     from torch._guards import detect_fake_mode
@@ -109,43 +165,45 @@ def _set_fake_values(value: torch.Tensor, matrix: torch.Tensor, nodes: tuple) ->
     if mode is None:
         return
     with mode:
-        fake_matrix = mode.from_tensor(matrix)
-        blocks = value.unflatten(-1, (-1, matrix.shape[0]))
-        rotated_blocks = blocks @ fake_matrix
-        vals = (fake_matrix, blocks, rotated_blocks, rotated_blocks.flatten(-2))
+        fake_matrix = mode.from_tensor(matrix, static_shapes=True)  # a constant: no symbolic sizes
+        vals, last = [fake_matrix], value
+        for op, args in steps:
+            last = op(last, *(fake_matrix if a is None else a for a in args))
+            vals.append(last)
     for node, val in zip(nodes, vals):
         node.meta["val"] = val
 
 
-def _insert_rotation(gm: GraphModule, x: Node, matrix_name: str, block_size: int, stack) -> Node:
+def _insert_rotation(gm: GraphModule, x: Node, channel_dim: int, matrix_name: str, block_size: int,
+                     stack) -> Node:
     graph = gm.graph
+    steps = _rotation_steps(x.meta["val"].dim(), channel_dim, block_size)
     with graph.inserting_after(x):
         matrix = graph.get_attr(matrix_name)
-    with graph.inserting_after(matrix):
-        blocks = graph.call_function(aten.unflatten.int, (x, -1, [-1, block_size]))
-    with graph.inserting_after(blocks):
-        rotated_blocks = graph.call_function(aten.matmul.default, (blocks, matrix))
-    with graph.inserting_after(rotated_blocks):
-        rotated = graph.call_function(aten.flatten.using_ints, (rotated_blocks, -2, -1))
-    _set_fake_values(x.meta["val"], _tensor(gm, matrix_name), (matrix, blocks, rotated_blocks, rotated))
-    for node in (matrix, blocks, rotated_blocks, rotated):
+    nodes, last = [matrix], x
+    for op, args in steps:
+        with graph.inserting_after(nodes[-1]):
+            last = graph.call_function(op, (last, *(matrix if a is None else a for a in args)))
+        nodes.append(last)
+    _set_fake_values(x.meta["val"], _tensor(gm, matrix_name), steps, nodes)
+    for node in nodes:
         node.meta[ROTATION] = True
         if stack is not None:
             node.meta["nn_module_stack"] = dict(stack)
-    return rotated
+    return last
 
 
-def rotate_linear_inputs(gm: GraphModule, block_size: int, wanted: Callable[[Node], bool] = lambda node: True,
-                         seed: int = SEED) -> RotationReport:
-    """Rotates the inputs of the aten.linear nodes of `gm` for which
-    `wanted(node)` is true (module doc), in place; the function of `gm` is
-    unchanged up to float rounding.
+def rotate_inputs(gm: GraphModule, block_size: int, wanted: Callable[[Node], bool] = lambda node: True,
+                  seed: int = SEED) -> RotationReport:
+    """Rotates the inputs of the linears and convolutions (CHANNEL_DIM) of
+    `gm` for which `wanted(node)` is true (module doc), in place; the
+    function of `gm` is unchanged up to float rounding.
 
     Args:
         gm: an exported GraphModule holding its own parameters
             (pt2e_fq.flow.own_tensors: the folded weights are written in place).
-        block_size: the Hadamard block, a power of two >= 2.
-        wanted: which linears to rotate (the quantizer: those with a quantized input or weight).
+        block_size: the largest Hadamard block, a power of two >= 2.
+        wanted: which layers to rotate (the quantizer: those with a quantized input or weight).
         seed: the seed of the sign vector.
 
     Returns:
@@ -154,39 +212,42 @@ def rotate_linear_inputs(gm: GraphModule, block_size: int, wanted: Callable[[Nod
     Raises:
         TypeError, ValueError: block_size not a power of two >= 2.
     """
-    check_block_size("rotate_linear_inputs: block_size", block_size)
+    check_block_size("rotate_inputs: block_size", block_size)
     report = RotationReport(block_size)
     readers_of: dict[int, int] = {}
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             value = _tensor(gm, node.target)
             readers_of[id(value)] = readers_of.get(id(value), 0) + 1
-    by_input: dict[Node, list[Node]] = {}
+    by_input: dict[tuple[Node, int], list[Node]] = {}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is LINEAR and wanted(node):
-            why = _why_not(gm, node, block_size, readers_of)
+        if node.op == "call_function" and node.target in CHANNEL_DIM and wanted(node):
+            why = _why_not(gm, node, readers_of)
             if why:
                 report.skipped[node.name] = why
             else:
-                by_input.setdefault(node.args[0], []).append(node)
+                by_input.setdefault((node.args[0], CHANNEL_DIM[node.target]), []).append(node)
     if not by_input:
         return report
-    rotations: dict[torch.dtype, str] = {}  # one buffer per input dtype
-    r = hadamard_rotation(block_size, seed)  # float64, for folding into the weights
-    for x, linears in by_input.items():
+    rotations: dict[tuple, str] = {}  # one buffer per (block, input dtype)
+    folds: dict[int, torch.Tensor] = {}  # block -> R in float64, for folding into the weights
+    for (x, channel_dim), layers in by_input.items():
         dtype = x.meta["val"].dtype
-        if dtype not in rotations:
+        block = block_of(x.meta["val"].shape[channel_dim], block_size)
+        if (block, dtype) not in rotations:
             name = f"{ROTATION_BUFFER}{len(rotations)}"
-            gm.register_buffer(name, hadamard_rotation(block_size, seed, dtype))
-            rotations[dtype] = name
-        rotated = _insert_rotation(gm, x, rotations[dtype], block_size, linears[0].meta.get("nn_module_stack"))
-        for linear in linears:
-            linear.replace_input_with(x, rotated)
-            weight = _tensor(gm, linear.args[1].target)
-            with torch.no_grad():
-                folded = (weight.double().unflatten(1, (-1, block_size)) @ r).flatten(1)
-                weight.copy_(folded.to(weight.dtype))
-            report.rotated.append(linear.name)
+            gm.register_buffer(name, hadamard_rotation(block, seed, dtype))
+            rotations[block, dtype] = name
+        r = folds.setdefault(block, hadamard_rotation(block, seed))
+        rotated = _insert_rotation(gm, x, channel_dim, rotations[block, dtype], block,
+                                   layers[0].meta.get("nn_module_stack"))
+        for layer in layers:
+            layer.replace_input_with(x, rotated)
+            weight = _tensor(gm, layer.args[1].target)
+            with torch.no_grad():  # (out, in, *kernel): the input channels in blocks, times R
+                blocks = weight.double().movedim(1, -1).unflatten(-1, (-1, block))
+                weight.copy_((blocks @ r).flatten(-2).movedim(-1, 1).to(weight.dtype))
+            report.rotated[layer.name] = block
     gm.graph.lint()
     gm.recompile()
     return report
