@@ -15,10 +15,12 @@ Flows, each from the float model:
   default that a flow's QAT closes;
 - "ours learnable": the same with presets.learnable_ranges (LSQ scales,
   LSQ+ offsets of the asymmetric activations, their own learning rate);
-- "ours rotated": the same with QuantizerConfig.set_input_rotation(128)
-  (every linear's input rotated in Hadamard blocks of 128, folded into its
-  weight); "ours rotated, asymmetric int4": that on int4 groups with a
-  zero point each;
+- "ours rotated": the same with QuantizerConfig.set_input_rotation (the
+  input of every linear and conv with groups 1 rotated in Hadamard blocks,
+  folded into its weight; blocks of up to 128 on MiniLM, of 8 on
+  EfficientNet-Lite0, whose PTQ start is lower with larger blocks);
+  "ours rotated, asymmetric int4": that on int4 groups with a zero point
+  each;
 - "XNNPACKQuantizer QAT": torchao's prepare_qat_pt2e on a train-mode export
   with XNNPACKQuantizer().set_global(get_symmetric_quantization_config(
   is_per_channel=True, is_qat=True, weight_qmin=-8, weight_qmax=7)), batch
@@ -69,15 +71,16 @@ from quantizers import presets  # noqa: E402
 
 MODELS = ("efficientnet_lite0", "minilm")
 PRESET = "w4a8"
-ROTATION_BLOCK = 128  # "ours rotated": QuantizerConfig.set_input_rotation's Hadamard block
 # Per model: the metric, the distillation loss, and (full, quick) sizes: calibration samples, QAT
 # samples, held-out samples, steps. Learning rates: weights `lr`, learnable ranges `qparam_lr`.
 # `batch`: calibration and held-out batches; `qat_batch` (default `batch`): the QAT batches.
+# `rotation_block`: the "ours rotated" flows' QuantizerConfig.set_input_rotation.
 SETUPS = {
     "efficientnet_lite0": dict(metric="top1", loss="kl", temperature=2.0, lr=1e-4, qparam_lr=1e-5,
-                               full=(64, 2400, 256, 300), quick=(32, 128, 32, 20), batch=8),
+                               full=(64, 2400, 256, 300), quick=(32, 128, 32, 20), batch=8, rotation_block=8),
     "minilm": dict(metric="cosine", loss="cosine", temperature=1.0, lr=1e-4, qparam_lr=1e-5,
-                   full=(128, 6400, 512, 500), quick=(64, 256, 64, 40), batch=16, qat_batch=64),
+                   full=(128, 6400, 512, 500), quick=(64, 256, 64, 40), batch=16, qat_batch=64,
+                   rotation_block=128),
 }
 DIGITS = {"top1": 1, "cosine": 4}
 FLOAT = {"top1": 100.0, "cosine": 1.0}  # the float model's own score
@@ -120,12 +123,12 @@ def _stock_convert(prepared):
     return torchao_convert(move_exported_model_to_eval(copy.deepcopy(prepared)))
 
 
-def _ours(model, data, flow: str):
+def _ours(model, data, flow: str, rotation_block: int):
     config = presets.int8_edges(presets.get_preset(PRESET), model)
     if flow == "ours learnable":
         presets.learnable_ranges(config)
     if flow.startswith("ours rotated"):
-        config.set_input_rotation(ROTATION_BLOCK)
+        config.set_input_rotation(rotation_block)
     if flow == "ours rotated, asymmetric int4":  # w4a8's int4 groups with a zero point each
         weight = config.global_config.weight
         config.set_global(dataclasses.replace(config.global_config, weight=dataclasses.replace(
@@ -155,7 +158,7 @@ def run(name: str, quick: bool, flows) -> list:
         if flow == "XNNPACKQuantizer QAT":
             prepared, convert = _stock_qat(model, calibration), _stock_convert
         else:
-            prepared, convert = _ours(model, calibration, flow), _ours_convert
+            prepared, convert = _ours(model, calibration, flow, setup["rotation_block"]), _ours_convert
         start = metric(convert(prepared))
         if flow == "ours":
             ptq_default = start.value

@@ -1,5 +1,5 @@
 """benchmarks/bench_qat_trained's rotated flows build what their names say:
-"ours rotated" rotates every linear's input (the prepared graph's
+"ours rotated" rotates every linear's input in the given blocks (the prepared graph's
 rotations, counted by hand: one per rotated tensor) on w4a8's symmetric
 int4 grid, and "ours rotated, asymmetric int4" on int4 groups with a zero
 point each (the weight points' zero points, not all zero)."""
@@ -30,9 +30,13 @@ def test_rotated_flows(flow, asymmetric):
     torch.manual_seed(0)
     model = _Mlp().eval()
     data = [(torch.randn(4, 16, 128),) for _ in range(2)]
-    prepared = bench_qat_trained._ours(model, data, flow)
+    prepared = bench_qat_trained._ours(model, data, flow, rotation_block=64)
     matmuls = [n for n in prepared.graph.nodes if n.meta.get(ROTATION) and n.target is torch.ops.aten.matmul.default]
     assert len(matmuls) == 2  # the LayerNorm output (up's input) and the GELU output (down's input)
+    assert {tuple(getattr(prepared, n.args[1].target).shape) for n in matmuls} == {(64, 64)}
+    for n in matmuls:  # the export has a dynamic batch; the matrix and the channels stay static sizes
+        assert [type(d) for d in n.args[1].meta["val"].shape] == [int, int]
+        assert type(n.meta["val"].shape[-1]) is int
     weights = [m for name, m in prepared.named_modules() if isinstance(m, FakeQuantize) and m.scale.dim() == 2]
     assert len(weights) == 2
     assert any(bool((w.zero_point != 0).any()) for w in weights) == asymmetric
