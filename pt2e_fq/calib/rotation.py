@@ -73,7 +73,10 @@ class RotationReport:
                            for n in [sum(v == b for v in self.rotated.values())])
         lines = [f"input rotation (Hadamard blocks of at most {self.block_size}): "
                  f"{len(self.rotated)} layer(s) rotated" + (f" ({blocks})" if blocks else "")]
-        lines += [f"  left as it was: {name}: {why}" for name, why in self.skipped.items()]
+        by_reason: dict[str, list[str]] = {}  # one line per reason: a CNN has a depthwise conv per block
+        for name, why in self.skipped.items():
+            by_reason.setdefault(why, []).append(name)
+        lines += [f"  left as it was ({why}): {', '.join(names)}" for why, names in by_reason.items()]
         return "\n".join(lines)
 
 
@@ -128,7 +131,7 @@ def _why_not(gm: GraphModule, layer: Node, readers_of: dict) -> str:
     """Why `layer` cannot be rotated, or ''."""
     x, w = layer.args[0], layer.args[1]
     if _groups(layer) != 1:
-        return f"it is a convolution with {_groups(layer)} groups (it mixes no channels across groups)"
+        return "it is a grouped convolution (it mixes no channels across groups)"
     if not (isinstance(w, Node) and w.op == "get_attr"):
         return "its weight is not a parameter of the model"
     weight = _tensor(gm, w.target)

@@ -197,7 +197,7 @@ def test_convolutions_rotate_over_their_input_channels():
     # each tensor in blocks of the largest power of two dividing its channels, at most 32
     assert report.rotated == {"conv2d": 16, "conv2d_1": 32, "conv2d_3": 32, "conv1d": 16, "linear": 16}
     assert [tuple(b.shape) for name, b in gm.named_buffers() if is_rotation_matrix(name)] == [(16, 16), (32, 32)]
-    assert report.skipped == {"conv2d_2": "it is a convolution with 32 groups (it mixes no channels across groups)"}
+    assert report.skipped == {"conv2d_2": "it is a grouped convolution (it mixes no channels across groups)"}
     torch.testing.assert_close(gm(x), model(x), atol=1e-5, rtol=1e-5)
     # a conv's channels are moved last and back: two permutes around each rotation but the linear's
     permutes = [n for n in gm.graph.nodes if n.target is torch.ops.aten.permute.default]
@@ -223,7 +223,8 @@ def test_quantizer_rotates_conv_inputs_and_keeps_the_rotation_float():
     model = ConvNet().eval()
     x = torch.randn(2, 16, 8, 8)
     config = presets.get_preset("w8a8").set_input_rotation(16)
-    with pytest.warns(UserWarning, match=r"1 layer\(s\) left unrotated:\n.*\n  left as it was: conv2d_2: it is a"):
+    with pytest.warns(UserWarning, match=r"1 layer\(s\) left unrotated:\n.*: 5 layer\(s\) rotated \(5 in blocks of 16\)\n"
+                                         r"  left as it was \(it is a grouped convolution .*\): conv2d_2$"):
         prepared = prepare_pt2e(export(model, (x,)).module(), FakeQuantQuantizer(config))
     for node in prepared.graph.nodes:
         if node.target is torch.ops.aten.conv2d.default and node.name != "conv2d_2":
@@ -248,3 +249,14 @@ def test_rotation_wins_on_an_outlier_conv_channel(channel, magnitude, seed):
         warnings.simplefilter("ignore")
         plain, rotated = _w8a8_sqnr(model, x, None), _w8a8_sqnr(model, x, 64)
     assert rotated > plain + 10, (plain, rotated)
+
+
+def test_report_names_the_skipped_layers_once_per_reason():
+    from pt2e_fq.calib.rotation import RotationReport
+
+    report = RotationReport(128, rotated={"a": 128, "b": 8, "c": 128},
+                            skipped={"dw1": "grouped", "odd": "odd", "dw2": "grouped"})
+    assert str(report) == ("input rotation (Hadamard blocks of at most 128): 3 layer(s) rotated "
+                           "(2 in blocks of 128, 1 in blocks of 8)\n"
+                           "  left as it was (grouped): dw1, dw2\n"
+                           "  left as it was (odd): odd")
