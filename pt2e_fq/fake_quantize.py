@@ -221,6 +221,16 @@ class FakeQuantize(FakeQuantizeBase):
         """The stored qparams by name (empty for a dynamic point)."""
         return {n: self._state(n) for n in self._qparam_buffer_names()}
 
+    def applied_qparams(self) -> dict[str, torch.Tensor]:
+        """The qparams by name as the point's op applies them, in a static
+        point's dtypes, detached: the stored ones, and a learnable point's
+        trained ones as its learnable op uses them (the scale floored at fp32
+        eps, a floating zero point clamped and rounded to int32), so the
+        static op on these gives the learnable op's output bit for bit."""
+        learning = self._learned and not self._frozen
+        return {n: self._kind.frozen_learned(self.qspec, n, t) if learning and n in self._learned else t.detach()
+                for n, t in self.calculate_qparams().items()}
+
     def _check_stored_shape(self, input_shape) -> None:
         """Stored state (qparams, running range) has one shape, fixed by the
         first observation; an input that needs another is an error. In eager

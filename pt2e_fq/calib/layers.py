@@ -19,7 +19,13 @@ from ..spec.format_kinds import INTEGER, MX, NVFP4, SCALED_FLOAT
 aten = torch.ops.aten
 LINEAR, CONV2D = aten.linear.default, aten.conv2d.default
 # aten.conv2d's arguments after (input, weight, bias), with their defaults.
-_CONV_DEFAULTS = ((1, 1), (0, 0), (1, 1), 1)  # stride, padding, dilation, groups
+_CONV_DEFAULTS = ((1, 1), (0, 0), (1, 1))  # stride, padding, dilation
+_GROUPS_ARG = 6  # every aten.conv1d/2d/3d overload: (input, weight, bias, stride, padding, dilation, groups)
+
+
+def conv_groups(node: torch.fx.Node) -> int:
+    """The groups of an aten.conv1d/2d/3d call (.default or .padding), positional or keyword."""
+    return int(node.args[_GROUPS_ARG] if len(node.args) > _GROUPS_ARG else node.kwargs.get("groups", 1))
 
 
 @dataclass
@@ -36,13 +42,13 @@ class Layer:
     def conv_args(self) -> tuple:
         """(stride, padding, dilation, groups) of a conv2d node."""
         given = tuple(self.node.args[3:]) + _CONV_DEFAULTS[len(self.node.args) - 3:]
-        stride, padding, dilation, groups = (given[i] if i < len(given) else _CONV_DEFAULTS[i] for i in range(4))
+        stride, padding, dilation = (given[i] if i < len(given) else _CONV_DEFAULTS[i] for i in range(3))
         pair = lambda v: tuple(v) if isinstance(v, (list, tuple)) else (v, v)  # noqa: E731
-        return pair(stride), pair(padding), pair(dilation), int(groups)
+        return pair(stride), pair(padding), pair(dilation), conv_groups(self.node)
 
     @property
     def groups(self) -> int:
-        return self.conv_args()[3] if self.is_conv else 1
+        return conv_groups(self.node) if self.is_conv else 1
 
     def weight(self, gm: torch.fx.GraphModule) -> torch.Tensor:
         return _tensor(gm, self.weight_name).detach()
@@ -104,7 +110,7 @@ class Layer:
             return quantize_whole
         block = spec.granularity.block_size(self.weight_shape)
         per_element = {}
-        for name, q in self.point.calculate_qparams().items():
+        for name, q in self.point.applied_qparams().items():  # a learnable point's as its op applies them
             q = self.as_matrix(expand_blocks(q, self.weight_shape, block)).transpose(1, 2)
             per_element[name] = q.gather(1, order[:, :, None].expand_as(q)).contiguous()
         ones = (1, 1, 1)

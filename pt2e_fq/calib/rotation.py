@@ -17,7 +17,7 @@ R here is block diagonal: blocks of b channels, each the Sylvester Hadamard
 matrix of b scaled by 1 / sqrt(b) with its rows' signs flipped by a seeded
 random +-1 vector (D H; D H (D H)^T = I). b is the largest power of two
 that divides the tensor's channels, at most `block_size`: 128 for a
-384-wide transformer, 8 to 128 for the 16- to 1152-wide convolutions of a
+384-wide transformer, 8 to 128 for the 16- to 1280-wide convolutions of a
 mobile CNN. One (b, b) matrix serves every block of every rotated tensor
 of that b, so the rotation is three ops on x (unflatten to blocks, a
 matmul with that matrix, flatten) costing b multiply-adds per element: 128
@@ -45,6 +45,7 @@ it was.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -52,7 +53,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..graph import ROTATION_BUFFER
-from .layers import LINEAR, _tensor
+from .layers import LINEAR, _tensor, conv_groups
 
 aten = torch.ops.aten
 ROTATION = "pt2e_fq_rotation"  # node.meta key of the inserted nodes
@@ -69,8 +70,8 @@ class RotationReport:
     skipped: dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
-        blocks = ", ".join(f"{n} in blocks of {b}" for b in sorted(set(self.rotated.values()), reverse=True)
-                           for n in [sum(v == b for v in self.rotated.values())])
+        counts = Counter(self.rotated.values())
+        blocks = ", ".join(f"{counts[b]} in blocks of {b}" for b in sorted(counts, reverse=True))
         lines = [f"input rotation (Hadamard blocks of at most {self.block_size}): "
                  f"{len(self.rotated)} layer(s) rotated" + (f" ({blocks})" if blocks else "")]
         by_reason: dict[str, list[str]] = {}  # one line per reason: a CNN has a depthwise conv per block
@@ -113,13 +114,6 @@ CHANNEL_DIM = {
     aten.conv2d.default: -3, aten.conv2d.padding: -3,
     aten.conv3d.default: -4, aten.conv3d.padding: -4,
 }
-_GROUPS_ARG = 6  # a convolution's groups: (input, weight, bias, stride, padding, dilation, groups)
-
-
-def _groups(layer: Node) -> int:
-    if layer.target is LINEAR:
-        return 1
-    return int(layer.args[_GROUPS_ARG] if len(layer.args) > _GROUPS_ARG else layer.kwargs.get("groups", 1))
 
 
 def block_of(channels: int, block_size: int) -> int:
@@ -130,7 +124,7 @@ def block_of(channels: int, block_size: int) -> int:
 def _why_not(gm: GraphModule, layer: Node, readers_of: dict) -> str:
     """Why `layer` cannot be rotated, or ''."""
     x, w = layer.args[0], layer.args[1]
-    if _groups(layer) != 1:
+    if layer.target is not LINEAR and conv_groups(layer) != 1:
         return "it is a grouped convolution (it mixes no channels across groups)"
     if not (isinstance(w, Node) and w.op == "get_attr"):
         return "its weight is not a parameter of the model"

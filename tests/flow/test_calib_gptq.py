@@ -209,18 +209,28 @@ def test_apply_rejects_a_module_that_is_not_a_graph():
     QSpec(FP8_E4M3, PerChannel(0), observer=CurrentMinMaxObserver()),
     QSpec(NVFP4, PerGroup(16, 1), observer=CurrentMinMaxObserver()),
     QSpec(MXFP4, PerGroup(32, 1), dynamic=True),
+    QSpec(INT4, PerGroup(32, 1), "asymmetric", learnable=True, observer=CurrentMinMaxObserver()),
+    QSpec(INT4, PerGroup(32, 1), "asymmetric", "minval", learnable=True, observer=CurrentMinMaxObserver()),
 ], ids=str)
 @pytest.mark.parametrize("permuted", [False, True], ids=["natural", "permuted"])
 def test_column_quantizer_is_the_op_on_the_whole_weight(spec, permuted):
     """GPTQ's column-by-column rounding gives, column for column, what the
     weight point's op gives on the whole weight (ragged last group included),
     also with the columns given in another order (act_order) and, for NVFP4,
-    with the weight clamped to a bound (calib.weight_ranges)."""
+    with the weight clamped to a bound (calib.weight_ranges). A learnable
+    point's op is the learnable one, on trained qparams off the integer grid
+    (a floating zero point, as LSQ+ leaves it)."""
     torch.manual_seed(0)
     point = FakeQuantize(spec)
     w = torch.randn(24, 80)
     point(w)
     point.enable_observer(False)
+    if spec.learnable:
+        with torch.no_grad():
+            q = point.calculate_qparams()
+            q["scale"].mul_(1.1)
+            q.get("zero_point", q.get("minval")).add_(0.37 if "zero_point" in q else -0.01)
+            assert point.is_learning
     layer = Layer(SimpleNamespace(target=LINEAR), "w", point, w.shape)
     order = torch.randperm(w.shape[1])[None] if permuted else None
     bound = (torch.rand(w.shape) + 0.5)[None] if spec.format == NVFP4 else None
