@@ -142,9 +142,10 @@ def _ours_convert(prepared):
     return convert_pt2e(copy.deepcopy(prepared))
 
 
-def run(name: str, quick: bool, flows) -> list:
+def run(name: str, quick: bool, flows, lr: float = None) -> list:
+    """The table's rows of model `name`; `lr`: the weights' rate instead of SETUPS[name]["lr"]."""
     model = tm.efficientnet_lite0() if name == "efficientnet_lite0" else tm.minilm()
-    setup = SETUPS[name]
+    setup = SETUPS[name] if lr is None else dict(SETUPS[name], lr=lr)
     calibration, qat_data, held_out, metrics, steps = _data(name, model, quick)
     reference = tm.outputs(model, held_out)
     key, digits = setup["metric"], DIGITS[setup["metric"]]
@@ -169,12 +170,12 @@ def run(name: str, quick: bool, flows) -> list:
                               progress=False, desc=f"{name} {flow}")
         after = metric(convert(prepared))
         losses = history.losses
-        rows.append([name, flow, PRESET, steps, format(start, f".{digits}f"), format(after, f".{digits}f"),
+        rows.append([name, flow, PRESET, f"{setup['lr']:g}", steps, format(start, f".{digits}f"), format(after, f".{digits}f"),
                      after.value, f"{sum(losses[:5]) / 5:.4g} -> {sum(losses[-5:]) / 5:.4g}",
                      f"{history.seconds:.0f}"])
         print("  " + " | ".join(map(str, rows[-1])), flush=True)
     for row in rows:  # the share of the float - PTQ default gap closed, once the default is known
-        row[6] = "-" if ptq_default is None else f"{(row[6] - ptq_default) / (FLOAT[key] - ptq_default):.0%}"
+        row[7] = "-" if ptq_default is None else f"{(row[7] - ptq_default) / (FLOAT[key] - ptq_default):.0%}"
     return rows
 
 
@@ -186,16 +187,20 @@ def main(argv=None) -> None:
     parser.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
     parser.add_argument("--flows", nargs="+", default=FLOWS, choices=FLOWS)
     parser.add_argument("--quick", action="store_true", help="fewer samples and steps (a smoke run)")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="the weights' learning rate of every flow and model (default: each model's SETUPS lr)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
+    if args.lr is not None and not args.lr > 0:
+        parser.error(f"--lr must be a rate > 0, got {args.lr}")
     torch.set_num_threads(args.threads)
     rows = []
     start = time.perf_counter()
     for name in args.models:
-        rows += run(name, args.quick, args.flows)
+        rows += run(name, args.quick, args.flows, args.lr)
     print(f"\ntorch {torch.__version__}, torchao {torchao.__version__}, {torch.get_num_threads()} thread(s), "
           f"{time.perf_counter() - start:.0f} s")
-    print(tabulate(rows, headers=("model", "flow", "preset", "steps", "PTQ start", "after QAT", "gap closed",
+    print(tabulate(rows, headers=("model", "flow", "preset", "lr", "steps", "PTQ start", "after QAT", "gap closed",
                                   "train loss (first 5 -> last 5)", "QAT s"), tablefmt="github"))
 
 

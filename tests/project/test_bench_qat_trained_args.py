@@ -1,0 +1,30 @@
+"""benchmarks/bench_qat_trained's command line: --lr reaches every model's
+run (the weights' rate of each flow) and is refused, naming the value,
+when it is not a rate above 0."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import bench_qat_trained
+
+
+def test_lr_reaches_every_models_run(monkeypatch, capsys):
+    seen = []
+
+    def fake_run(name, quick, flows, lr=None):
+        seen.append((name, lr))
+        return []
+
+    monkeypatch.setattr(bench_qat_trained, "run", fake_run)
+    bench_qat_trained.main(["--lr", "3e-5", "--flows", "ours", "--threads", "1"])
+    assert seen == [(name, 3e-5) for name in bench_qat_trained.MODELS]
+    bench_qat_trained.main(["--models", "minilm", "--flows", "ours", "--threads", "1"])
+    assert seen[-1] == ("minilm", None)  # each model's own SETUPS rate
+
+
+@pytest.mark.parametrize("lr", ["0", "-1e-4"])
+def test_lr_must_be_above_zero(lr, capsys):
+    with pytest.raises(SystemExit):
+        bench_qat_trained.main([f"--lr={lr}"])
+    assert f"--lr must be a rate > 0, got {float(lr)}" in capsys.readouterr().err
