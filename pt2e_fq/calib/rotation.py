@@ -20,10 +20,14 @@ that divides the tensor's channels, at most `block_size`: 128 for a
 384-wide transformer, 8 to 128 for the 16- to 1280-wide convolutions of a
 mobile CNN. One (b, b) matrix serves every block of every rotated tensor
 of that b, so the rotation is three ops on x (unflatten to blocks, a
-matmul with that matrix, flatten) costing b multiply-adds per element: 128
-is a third of a 384-wide linear's own cost per input element. A
-convolution's input has its channels moved last before and back after
-(two permutes).
+linear with that matrix, stored transposed as a linear's weight, flatten)
+costing b multiply-adds per element: 128 is a third of a 384-wide
+linear's own cost per input element. A convolution's input has its
+channels moved last before and back after (two permutes). A linear rather
+than a matmul because backends take it as one: ExecuTorch's XNNPACK
+partitioner delegates it as an fp32 fully-connected op, where it left a
+matmul's decomposition (an expand and a batched matmul, or an mm) to
+ExecuTorch's portable kernels.
 
 The transform (rotate_inputs):
 - inserts the ops once per rotated tensor, right after it; every rotated
@@ -143,7 +147,7 @@ def _rotation_steps(rank: int, channel_dim: int, block_size: int) -> list:
     """(aten op, arguments after the tensor) that rotate the channels of a
     tensor of `rank` dimensions in blocks; None stands for the matrix. The
     channels are moved last and back when they are not last already."""
-    steps = [(aten.unflatten.int, (-1, [-1, block_size])), (aten.matmul.default, (None,)),
+    steps = [(aten.unflatten.int, (-1, [-1, block_size])), (aten.linear.default, (None,)),
              (aten.flatten.using_ints, (-2, -1))]
     if channel_dim == -1:
         return steps
@@ -218,7 +222,8 @@ def rotate_inputs(gm: GraphModule, block_size: int, wanted: Callable[[Node], boo
             readers_of[id(value)] = readers_of.get(id(value), 0) + 1
     by_input: dict[tuple[Node, int], list[Node]] = {}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in CHANNEL_DIM and wanted(node):
+        if node.op == "call_function" and node.target in CHANNEL_DIM and not node.meta.get(ROTATION) \
+                and wanted(node):  # a rotation's own linear is no layer
             why = _why_not(gm, node, readers_of)
             if why:
                 report.skipped[node.name] = why
@@ -233,7 +238,7 @@ def rotate_inputs(gm: GraphModule, block_size: int, wanted: Callable[[Node], boo
         block = block_of(x.meta["val"].shape[channel_dim], block_size)
         if (block, dtype) not in rotations:
             name = f"{ROTATION_BUFFER}{len(rotations)}"
-            gm.register_buffer(name, hadamard_rotation(block, seed, dtype))
+            gm.register_buffer(name, hadamard_rotation(block, seed, dtype).T.contiguous())  # linear's (out, in)
             rotations[block, dtype] = name
         r = folds.setdefault(block, hadamard_rotation(block, seed))
         rotated = _insert_rotation(gm, x, channel_dim, rotations[block, dtype], block,

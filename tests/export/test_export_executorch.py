@@ -212,3 +212,32 @@ def test_a_transformer_block_quantized_for_xnnpack_runs_every_linear_in_int8(tmp
     assert not any("quantize" in op or "linear" in op or "gelu" in op for op in result.outside), str(result)
     check = check_lowered(tmp_path / "block.pte", model, x)
     assert check.outputs[0].max_steps <= 2 + 1e-3, str(check)  # as in the test above
+
+
+@needs_executorch
+@pytest.mark.parametrize("layers, shape", [
+    (lambda: torch.nn.Sequential(torch.nn.Conv2d(16, 32, 1), torch.nn.ReLU(), torch.nn.Conv2d(32, 8, 1)), (2, 16, 5, 5)),
+    (lambda: torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)), (4, 32)),
+], ids=["convs", "linears"])
+def test_rotated_inputs_run_in_executorch_within_one_step(tmp_path, layers, shape):
+    """Input rotation (Hadamard blocks folded into the weights, the input
+    rotated in float) lowers in one XNNPACK subgraph, the rotations
+    included, and the .pte's output is the converted model's within one
+    output step."""
+    from pt2e_fq.cli import pipeline
+
+    torch.manual_seed(0)
+    model = layers().eval()
+    batches = [(torch.randn(shape) * torch.linspace(0.1, 30, shape[1]).reshape(-1, *[1] * (len(shape) - 2)),)
+               for _ in range(4)]
+    config = presets.every_point("w8a8").set_input_rotation(16)
+    converted = pipeline.quantize(model, batches[0], config, calibration=batches, progress=False)
+    rotations = [n for n in converted.graph.nodes if n.target is torch.ops.aten.linear.default and n.meta.get("pt2e_fq_rotation")]
+    assert len(rotations) == 2  # both layers' inputs rotated
+    x = batches[1][0]
+    result = to_executorch(converted, x, tmp_path / "rotated.pte")
+    assert result.delegated_subgraphs == 1 and not result.outside, str(result)  # the rotations too
+    (out,) = run_pte(tmp_path / "rotated.pte", x)
+    _assert_within_one_step(out, converted, x)
+    check = check_lowered(tmp_path / "rotated.pte", converted, x)
+    assert check.ok, str(check)

@@ -31,10 +31,10 @@ def test_rotated_flows(flow, asymmetric):
     model = _Mlp().eval()
     data = [(torch.randn(4, 16, 128),) for _ in range(2)]
     prepared = bench_qat_trained._ours(model, data, flow, rotation_block=64)
-    matmuls = [n for n in prepared.graph.nodes if n.meta.get(ROTATION) and n.target is torch.ops.aten.matmul.default]
-    assert len(matmuls) == 2  # the LayerNorm output (up's input) and the GELU output (down's input)
-    assert {tuple(getattr(prepared, n.args[1].target).shape) for n in matmuls} == {(64, 64)}
-    for n in matmuls:  # the export has a dynamic batch; the matrix and the channels stay static sizes
+    rotations = [n for n in prepared.graph.nodes if n.meta.get(ROTATION) and n.target is torch.ops.aten.linear.default]
+    assert len(rotations) == 2  # the LayerNorm output (up's input) and the GELU output (down's input)
+    assert {tuple(getattr(prepared, n.args[1].target).shape) for n in rotations} == {(64, 64)}
+    for n in rotations:  # the export has a dynamic batch; the matrix and the channels stay static sizes
         assert [type(d) for d in n.args[1].meta["val"].shape] == [int, int]
         assert type(n.meta["val"].shape[-1]) is int
     weights = [m for name, m in prepared.named_modules() if isinstance(m, FakeQuantize) and m.scale.dim() == 2]

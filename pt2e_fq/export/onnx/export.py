@@ -128,7 +128,12 @@ def _optimize(model) -> None:
         common_passes.RemoveUnusedOpsetsPass(),
         common_passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
         common_passes.LiftSubgraphInitializersToMainGraphPass(),
-        common_passes.DeduplicateInitializersPass(),
+        # Up to 2^20 elements, not the pass's default 1024: the exporter writes a
+        # linear's weight transposed once per linear, so a rotation matrix
+        # (calib.rotation: 128 x 128) read by several linears would be stored
+        # once per reader. Identical constants are merged by content (each
+        # kept in memory as bytes during the pass, hence a bound).
+        common_passes.DeduplicateInitializersPass(size_limit=1 << 20),
         common_passes.CommonSubexpressionEliminationPass(),
         common_passes.OutputFixPass(),
         common_passes.NameFixPass(),
