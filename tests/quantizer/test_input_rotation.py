@@ -92,6 +92,9 @@ def test_rotation_keeps_the_float_function_and_reports_what_it_left():
     # one rotation per rotated tensor: the LayerNorm's output is rotated once for q and k
     rotations = [n for n in gm.graph.nodes if n.meta.get(ROTATION) and n.target is torch.ops.aten.linear.default]
     assert len(rotations) == 3
+    # A rotation's own linear is not a layer to rotate: a second pass sees the model's linears only.
+    again = rotate_inputs(gm, 32)
+    assert sorted(again.rotated) + sorted(again.skipped) == sorted(report.rotated) + sorted(report.skipped)
 
 
 def test_quantizer_leaves_the_rotation_float_and_the_user_model_unchanged():
