@@ -50,6 +50,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..fake_quantize import FakeQuantize
 from .layers import LINEAR, _set_attr, _tensor
+from .rotation import ROTATION
 
 aten = torch.ops.aten
 
@@ -130,7 +131,7 @@ def _parameter(gm, node, reader) -> Optional[tuple]:
 
 def _producer(gm, node) -> Optional[_Group]:
     """The group of `node` if it can absorb a scale per output channel."""
-    if node.op != "call_function":
+    if node.op != "call_function" or node.meta.get(ROTATION):  # a rotation's matrix is shared and fixed
         return None
     if node.target in _NORMS:
         shape = node.args[1]
@@ -155,7 +156,8 @@ def _producer(gm, node) -> Optional[_Group]:
 
 def _consumer(gm, linear, source) -> Optional[_Consumer]:
     """`linear` reading `source` as its input only, with a parameter weight."""
-    if linear.op != "call_function" or linear.target is not LINEAR or linear.args[0] is not source:
+    if linear.op != "call_function" or linear.target is not LINEAR or linear.args[0] is not source \
+            or linear.meta.get(ROTATION):  # a rotation's matrix is shared by every rotation of its size
         return None
     if source in linear.args[1:] or source in linear.kwargs.values():
         return None

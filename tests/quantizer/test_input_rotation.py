@@ -242,6 +242,32 @@ def test_quantizer_rotates_conv_inputs_and_keeps_the_rotation_float():
             assert all(a.op != "call_module" for a in node.all_input_nodes), node.name
 
 
+def test_ptq_algorithms_leave_the_rotations_alone():
+    """Equalisation, GPTQ and bias correction on a rotated model: each
+    rotation matrix (one buffer shared by every rotation of its block size)
+    is still the randomised Hadamard matrix, and with the fake quantization
+    off the model still computes its float function. (Equalisation once
+    took a rotation's linear for a layer and scaled the shared matrix.)"""
+    from pt2e_fq import calib
+    from pt2e_fq.cli import pipeline
+
+    torch.manual_seed(0)
+    model = ConvNet().eval()
+    batches = [(torch.randn(2, 16, 8, 8),) for _ in range(3)]
+    prepared = pipeline.prepare(model, batches[0], presets.get_preset("w4a8").set_input_rotation(16))
+    pipeline.calibrate(prepared, batches, progress=False)
+    calib.apply(prepared, batches, equalization=True)
+    matrices = {n.target for n in prepared.graph.nodes if n.op == "get_attr" and is_rotation_matrix(n.target)}
+    assert matrices
+    for name in matrices:
+        matrix = getattr(prepared, name)
+        torch.testing.assert_close(matrix, hadamard_rotation(matrix.shape[0], dtype=matrix.dtype).T, atol=0, rtol=0)
+    prepared.apply(torch.ao.quantization.disable_fake_quant)
+    with torch.no_grad():  # equalisation rescales layer pairs exactly; GPTQ and bias correction moved weights
+        assert torch.nn.functional.cosine_similarity(prepared(*batches[0]).flatten(), model(*batches[0]).flatten(),
+                                                     dim=0) > 0.99
+
+
 @settings(max_examples=8, deadline=None)
 @given(channel=st.integers(0, 63), magnitude=st.floats(20, 200), seed=st.integers(0, 2**16))
 def test_rotation_wins_on_an_outlier_conv_channel(channel, magnitude, seed):
