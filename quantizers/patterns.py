@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 from torch.fx import Node
 
-from pt2e_fq.calib.rotation import ROTATION
+from pt2e_fq.calib.layers import is_layer
 from pt2e_fq.eval_mode import DROPOUTS  # a pass-through where train is False (an eval-mode export)
 
 aten = torch.ops.aten
@@ -253,8 +253,8 @@ def match(node: Node, activations: frozenset = _ACTIVATIONS) -> Optional[OpMatch
     """The OpMatch of a node whose op takes an op config, else None; an
     activation among `activations` (aten ops, activation_ops) right after
     it is quantized with it."""
-    if node.op != "call_function" or node.target not in _OP_TYPE_OF or node.meta.get(ROTATION):
-        return None  # (an input rotation's matmul stays float: pt2e_fq.calib.rotation)
+    if not is_layer(node, _OP_TYPE_OF):
+        return None  # (an input rotation's linear stays float: pt2e_fq.calib.rotation)
     op_type = _OP_TYPE_OF[node.target]
     args = node.args
     transposed = op_type in _TRANSPOSED_WEIGHT_OPS

@@ -49,8 +49,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from ..fake_quantize import FakeQuantize
-from .layers import LINEAR, _set_attr, _tensor
-from .rotation import ROTATION
+from .layers import LINEAR, _set_attr, _tensor, is_layer, tensor_readers
 
 aten = torch.ops.aten
 
@@ -115,8 +114,8 @@ def _point(gm: torch.fx.GraphModule, node) -> Optional[FakeQuantize]:
 def _parameter(gm, node, reader) -> Optional[tuple]:
     """(get_attr target, weight-point node or None) of a parameter argument
     read by `reader` alone, directly or through its fake-quant point; None
-    otherwise (computed, or read elsewhere too: scaling it would change
-    another op)."""
+    otherwise (computed, or read elsewhere too, through this get_attr or
+    another of the same tensor: scaling it would change another op)."""
     point = None
     if _point(gm, node) is not None:
         if set(node.users) != {reader}:
@@ -124,14 +123,14 @@ def _parameter(gm, node, reader) -> Optional[tuple]:
         point, node = node, node.args[0]
     if not (isinstance(node, torch.fx.Node) and node.op == "get_attr"):
         return None
-    if set(node.users) != {point or reader}:
+    if set(node.users) != {point or reader} or tensor_readers(gm)[id(_tensor(gm, node.target))] > 1:
         return None
     return node.target, point
 
 
 def _producer(gm, node) -> Optional[_Group]:
     """The group of `node` if it can absorb a scale per output channel."""
-    if node.op != "call_function" or node.meta.get(ROTATION):  # a rotation's matrix is shared and fixed
+    if not is_layer(node, (*_NORMS, LINEAR)):
         return None
     if node.target in _NORMS:
         shape = node.args[1]
@@ -156,8 +155,7 @@ def _producer(gm, node) -> Optional[_Group]:
 
 def _consumer(gm, linear, source) -> Optional[_Consumer]:
     """`linear` reading `source` as its input only, with a parameter weight."""
-    if linear.op != "call_function" or linear.target is not LINEAR or linear.args[0] is not source \
-            or linear.meta.get(ROTATION):  # a rotation's matrix is shared by every rotation of its size
+    if not is_layer(linear, (LINEAR,)) or linear.args[0] is not source:
         return None
     if source in linear.args[1:] or source in linear.kwargs.values():
         return None

@@ -7,8 +7,9 @@ matrix of (groups, rows, columns): a linear's (1, out, in); a conv's
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
-from typing import Optional
+from typing import Collection, Optional
 
 import torch
 
@@ -21,6 +22,22 @@ LINEAR, CONV2D = aten.linear.default, aten.conv2d.default
 # aten.conv2d's arguments after (input, weight, bias), with their defaults.
 _CONV_DEFAULTS = ((1, 1), (0, 0), (1, 1))  # stride, padding, dilation
 _GROUPS_ARG = 6  # every aten.conv1d/2d/3d overload: (input, weight, bias, stride, padding, dilation, groups)
+# node.meta key of the ops an input rotation inserts (pt2e_fq.calib.rotation): one is an aten.linear.
+ROTATION = "pt2e_fq_rotation"
+
+
+def is_layer(node: torch.fx.Node, ops: Collection = (LINEAR, CONV2D)) -> bool:
+    """A call of one of `ops` that is the model's own: not an input
+    rotation's linear, whose matrix is fixed and shared by every rotation of
+    its size (no pass may quantize, scale, rotate or reround it)."""
+    return node.op == "call_function" and node.target in ops and not node.meta.get(ROTATION)
+
+
+def tensor_readers(gm: torch.nn.Module) -> Counter:
+    """How many get_attr nodes of `gm` read each tensor, by id(tensor). A
+    tensor read through two (tied weights under two names, a shared rotation
+    matrix) is shared by their ops even when each get_attr has one user."""
+    return Counter(id(_tensor(gm, node.target)) for node in gm.graph.nodes if node.op == "get_attr")
 
 
 def conv_groups(node: torch.fx.Node) -> int:
@@ -136,7 +153,7 @@ def find_layers(gm: torch.fx.GraphModule) -> list[Layer]:
     """The linear and conv2d nodes whose weight is get_attr -> FakeQuantize, in graph order."""
     layers = []
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target not in (LINEAR, CONV2D) or len(node.args) < 2:
+        if not is_layer(node) or len(node.args) < 2:
             continue
         point_node = node.args[1]
         if not (isinstance(point_node, torch.fx.Node) and point_node.op == "call_module"):

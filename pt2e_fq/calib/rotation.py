@@ -34,9 +34,10 @@ The transform (rotate_inputs):
   layer reading that tensor (q, k and v after one LayerNorm) reads the
   rotated one, and other readers (a residual add) the original;
 - folds R into each rotated layer's weight, in place, computed in float64;
-- marks the inserted nodes with `node.meta[ROTATION] = True`, and the
-  quantizer leaves them float (quantizers.patterns.match): the fake-quant
-  points are those of the layers, on x R and W R.
+- marks the inserted nodes with `node.meta[ROTATION] = True`, for which
+  calib.layers.is_layer is False: the quantizer leaves them float
+  (quantizers.patterns.match), so the fake-quant points are those of the
+  layers, on x R and W R, and no PTQ algorithm scales or rerounds R.
 
 A layer is rotated when its weight is a parameter read by it alone (a
 weight tied to an embedding would change the embedding), its input
@@ -57,10 +58,9 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..graph import ROTATION_BUFFER
-from .layers import LINEAR, _tensor, conv_groups
+from .layers import LINEAR, ROTATION, _tensor, conv_groups, is_layer, tensor_readers
 
 aten = torch.ops.aten
-ROTATION = "pt2e_fq_rotation"  # node.meta key of the inserted nodes
 SEED = 0  # the sign vector's seed: the same graph and block size give the same rotation
 
 
@@ -215,15 +215,10 @@ def rotate_inputs(gm: GraphModule, block_size: int, wanted: Callable[[Node], boo
     """
     check_block_size("rotate_inputs: block_size", block_size)
     report = RotationReport(block_size)
-    readers_of: dict[int, int] = {}
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            value = _tensor(gm, node.target)
-            readers_of[id(value)] = readers_of.get(id(value), 0) + 1
+    readers_of = tensor_readers(gm)
     by_input: dict[tuple[Node, int], list[Node]] = {}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in CHANNEL_DIM and not node.meta.get(ROTATION) \
-                and wanted(node):  # a rotation's own linear is no layer
+        if is_layer(node, CHANNEL_DIM) and wanted(node):
             why = _why_not(gm, node, readers_of)
             if why:
                 report.skipped[node.name] = why

@@ -82,6 +82,45 @@ def _prepared(model, preset, batches):
     return prepared
 
 
+class _TiedGain(_Attention):
+    """The LayerNorm's scale also read, under a second name, as the gain of
+    a residual branch (tied weights)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = self.norm.weight
+
+    def forward(self, x):
+        return self.attend(self.norm(x)) + x * self.gain
+
+
+def test_equalize_leaves_a_tensor_read_through_two_get_attrs():
+    """A tensor read through two get_attr nodes (tied weights under two
+    names; a rotation's matrix is read so too) is shared, though each node
+    has one reader: scaling it for the LayerNorm group would scale the
+    residual's gain too. Export reads the tied scale through one get_attr,
+    so the graph is given the second one by hand."""
+    torch.manual_seed(0)
+    model, batches = _TiedGain().eval(), _batches()
+    with torch.no_grad():
+        model.norm.weight[3] = 25.0
+    prepared = _prepared(model, "w8a8", batches)
+    shared = next(n for n in prepared.graph.nodes if n.op == "get_attr" and n.target == "norm.weight")
+    gain = next(n for n in prepared.graph.nodes if n.op == "get_attr" and n.target == "gain")
+    assert prepared.gain is prepared.norm.weight  # one tensor, two names
+    (mul,) = [u for u in shared.users if u.target is torch.ops.aten.mul.Tensor]
+    mul.replace_input_with(shared, gain)
+    prepared.recompile()
+    assert list(shared.users) != [] and list(gain.users) == [mul]
+    # Only the value -> out projection group: the LayerNorm's scale is not its own.
+    assert [g.producer.target for g in eq.find_groups(prepared)] == [torch.ops.aten.linear.default]
+    scale = prepared.norm.weight.detach().clone()
+    before = _outputs(prepared, batches[0], fake_quant=False)
+    calib.equalize(prepared, batches)
+    assert torch.equal(prepared.norm.weight, scale) and prepared.gain is prepared.norm.weight
+    torch.testing.assert_close(_outputs(prepared, batches[0], fake_quant=False), before, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("preset", ["w8a8", "w4a16", "nvfp4"])
 def test_equalize_keeps_the_float_function(preset):
     model, batches = _attention(), _batches()
