@@ -1,6 +1,7 @@
-"""benchmarks/bench_qat_trained's command line: --lr reaches every model's
-run (the weights' rate of each flow) and is refused, naming the value,
-when it is not a rate above 0."""
+"""benchmarks/bench_qat_trained's command line: --lr and --steps reach
+every model's run (the weights' rate and the QAT steps of each flow) and
+are refused, naming the value, when they are not a rate above 0 or a
+count of at least one."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from benchmarks import bench_qat_trained
 def test_lr_reaches_every_models_run(monkeypatch, capsys):
     seen = []
 
-    def fake_run(name, quick, flows, lr=None):
+    def fake_run(name, quick, flows, lr=None, steps=None):
         seen.append((name, lr))
         return []
 
@@ -28,3 +29,22 @@ def test_lr_must_be_above_zero(lr, capsys):
     with pytest.raises(SystemExit):
         bench_qat_trained.main([f"--lr={lr}"])
     assert f"--lr must be a rate > 0, got {float(lr)}" in capsys.readouterr().err
+
+
+def test_steps_reaches_every_models_run(monkeypatch):
+    seen = []
+
+    def fake_run(name, quick, flows, lr=None, steps=None):
+        seen.append((name, steps))
+        return []
+
+    monkeypatch.setattr(bench_qat_trained, "run", fake_run)
+    bench_qat_trained.main(["--steps", "900", "--flows", "ours", "--threads", "1"])
+    assert seen == [(name, 900) for name in bench_qat_trained.MODELS]
+
+
+@pytest.mark.parametrize("steps", ["0", "-3"])
+def test_steps_must_be_at_least_one(steps, capsys):
+    with pytest.raises(SystemExit):
+        bench_qat_trained.main([f"--steps={steps}"])
+    assert f"--steps must be at least 1, got {int(steps)}" in capsys.readouterr().err
