@@ -20,6 +20,7 @@ import pt2e_fq as q
 from pt2e_fq.cli import pipeline
 from benchmarks.models import CNN, EncoderBlock
 from pt2e_fq.export import UnsupportedPointError, check_lowered, compile_x86, to_qdq
+from pt2e_fq.export.lowering import qdq
 from pt2e_fq.fake_quantize import FakeQuantize
 from quantizers import OpConfig, QuantizerConfig, presets
 
@@ -41,20 +42,12 @@ def _output_point(model: torch.fx.GraphModule) -> FakeQuantize:
     return model.get_submodule(node.target)
 
 
-def _cpu_flags() -> set:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return {flag for line in f if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
-    except OSError:
-        return set()
-
-
 def _skip_without_vnni() -> None:
     """oneDNN's int8 kernels match the q/dq reference within a step only
     with a VNNI (or AMX) int8 dot product: AVX2's u8 x s8 multiply-add
     (vpmaddubsw) saturates each pair of products at int16. Measured on an
     AVX2-only AMD EPYC: up to 3 steps off, and 0.17 on the encoder block."""
-    if not _cpu_flags() & {"avx512_vnni", "avx_vnni", "amx_int8"}:
+    if not (qdq.cpu_flags() or frozenset()) & qdq.INT8_DOT_PRODUCT_FLAGS:
         pytest.skip("this CPU has no VNNI/AMX int8 dot product (no avx512_vnni, avx_vnni or amx_int8 in "
                     "/proc/cpuinfo): oneDNN's AVX2 int8 kernels saturate pairs of products at int16, so the "
                     "compiled int8 model is not within a step of its q/dq program here")
@@ -225,6 +218,28 @@ def test_a_dynamic_batch_program_keeps_its_dynamic_batch():
         xb = batch(b, (b, 3, 8, 8))
         _within_one_step(program.module()(xb), model, xb)
         _within_one_step(lowered.module()(xb), model, xb)
+
+
+@pytest.mark.parametrize("flags, warns", [
+    (frozenset({"sse4_2", "avx2", "fma"}), True),  # an AVX2-only x86 CPU
+    (frozenset({"avx2", "avx512f", "avx512_vnni"}), False),
+    (frozenset({"avx2", "avx_vnni"}), False),
+    (frozenset({"avx2", "amx_int8"}), False),
+    (frozenset({"asimd", "asimddp"}), False),  # not x86: no oneDNN AVX2 kernels
+    (None, False),  # flags unknown (no /proc/cpuinfo)
+])
+def test_compile_x86_warns_on_a_cpu_without_an_int8_dot_product(monkeypatch, flags, warns):
+    import warnings
+
+    monkeypatch.setattr(qdq, "cpu_flags", lambda: flags)
+    program = to_qdq(_cnn_w8a8(), batch(5, (2, 3, 8, 8)), target="x86_inductor")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compile_x86(program)  # torch.compile compiles at the first call: nothing runs here
+    messages = [str(w.message) for w in caught if "int8 dot product" in str(w.message)]
+    assert len(messages) == warns, messages
+    if warns:
+        assert "avx512_vnni" in messages[0] and "check_lowered" in messages[0]
 
 
 @pytest.mark.slow

@@ -648,15 +648,37 @@ def to_qdq(
     return (lowered, result) if summary else lowered
 
 
+# CPU flags of an int8 dot product that accumulates in int32 (oneDNN's exact int8 kernels).
+INT8_DOT_PRODUCT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
+def cpu_flags() -> Optional[frozenset]:
+    """This CPU's feature flags from /proc/cpuinfo; None where it cannot be read (not Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return frozenset(flag for line in f if line.startswith("flags") for flag in line.split(":", 1)[1].split())
+    except OSError:
+        return None
+
+
 def compile_x86(program: torch.export.ExportedProgram):
     """to_qdq(target="x86_inductor")'s program compiled by Inductor with
     freezing (which folds the weight codes into oneDNN's packed int8 weights
     and lets its patterns turn dq -> conv / linear -> q into qconv / qlinear),
     run without autograd, which freezing needs. Returns the callable, which
     runs the compiled module on copies of its tensor arguments (Inductor's
-    fused linear + add may write into an input)."""
+    fused linear + add may write into an input). Warns on an x86 CPU
+    without a VNNI or AMX int8 dot product: oneDNN's AVX2 kernels saturate
+    each pair of u8 x s8 products at int16 (vpmaddubsw), so the compiled
+    model can be several steps off its q/dq program (docs/export.md)."""
     if not isinstance(program, torch.export.ExportedProgram):
         raise TypeError(f"compile_x86: program must be to_qdq's ExportedProgram, got {type(program).__name__}")
+    flags = cpu_flags()
+    if flags is not None and "avx2" in flags and not flags & INT8_DOT_PRODUCT_FLAGS:
+        warnings.warn("compile_x86: this CPU has no VNNI or AMX int8 dot product (none of "
+                      f"{', '.join(sorted(INT8_DOT_PRODUCT_FLAGS))} in /proc/cpuinfo): oneDNN's AVX2 int8 kernels "
+                      "saturate pairs of products at int16, so the compiled model can be several steps off its "
+                      "q/dq program; check it with check_lowered, or deploy through ExecuTorch", stacklevel=2)
     compiled = torch.compile(program.module())
 
     # Inductor compiles at the first call (and again for a new shape), so the
