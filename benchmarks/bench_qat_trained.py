@@ -20,12 +20,7 @@ Flows, each from the float model:
   folded into its weight; blocks of up to 128 on MiniLM, of 8 on
   EfficientNet-Lite0, whose PTQ start is lower with larger blocks);
   "ours rotated, asymmetric int4": that on int4 groups with a zero point
-  each; "ours rotated, asymmetric int4, block outputs": that with
-  qat.distill's `intermediate` matching of the outputs of some blocks
-  (SETUPS' matched_blocks, at matched_weight: on EfficientNet-Lite0 the
-  first block of each stage but the last, where a projection changes the
-  channel count and int4 costs most; on MiniLM every encoder layer's
-  output, its last LayerNorm);
+  each;
 - "XNNPACKQuantizer QAT": torchao's prepare_qat_pt2e on a train-mode export
   with XNNPACKQuantizer().set_global(get_symmetric_quantization_config(
   is_per_channel=True, is_qat=True, weight_qmin=-8, weight_qmax=7)), batch
@@ -79,18 +74,14 @@ PRESET = "w4a8"
 # Per model: the metric, the distillation loss, and (full, quick) sizes: calibration samples, QAT
 # samples, held-out samples, steps. Learning rates: weights `lr`, learnable ranges `qparam_lr`.
 # `batch`: calibration and held-out batches; `qat_batch` (default `batch`): the QAT batches.
-# `rotation_block`: the "ours rotated" flows' QuantizerConfig.set_input_rotation. `matched_blocks`,
-# `matched_weight`: the "block outputs" flow's qat.distill intermediate modules and their loss weight.
+# `rotation_block`: the "ours rotated" flows' QuantizerConfig.set_input_rotation.
 SETUPS = {
     "efficientnet_lite0": dict(metric="top1", loss="kl", temperature=2.0, lr=1e-4, qparam_lr=1e-5,
-                               full=(64, 2400, 256, 300), quick=(32, 128, 32, 20), batch=8, rotation_block=8,
-                               matched_blocks=tuple(f"_blocks.{i}" for i in (0, 1, 3, 5, 8, 11)), matched_weight=10.0),
+                               full=(64, 2400, 256, 300), quick=(32, 128, 32, 20), batch=8, rotation_block=8),
     "minilm": dict(metric="cosine", loss="cosine", temperature=1.0, lr=1e-4, qparam_lr=1e-5,
                    full=(128, 6400, 512, 500), quick=(64, 256, 64, 40), batch=16, qat_batch=64,
-                   rotation_block=128, matched_blocks=tuple(f"encoder.layer.{i}.output.LayerNorm" for i in range(6)),
-                   matched_weight=1.0),
+                   rotation_block=128),
 }
-BLOCK_OUTPUTS = ", block outputs"  # the flow-name suffix of block-output matching
 DIGITS = {"top1": 1, "cosine": 4}
 FLOAT = {"top1": 100.0, "cosine": 1.0}  # the float model's own score
 
@@ -138,18 +129,13 @@ def _ours(model, data, flow: str, rotation_block: int):
         presets.learnable_ranges(config)
     if flow.startswith("ours rotated"):
         config.set_input_rotation(rotation_block)
-    if flow.startswith("ours rotated, asymmetric int4"):  # w4a8's int4 groups with a zero point each
+    if flow == "ours rotated, asymmetric int4":  # w4a8's int4 groups with a zero point each
         weight = config.global_config.weight
         config.set_global(dataclasses.replace(config.global_config, weight=dataclasses.replace(
             weight, scheme="asymmetric")))
     prepared = pipeline.prepare(model, data[0], config)
     pipeline.calibrate(prepared, data, progress=False)
     return pipeline.start_qat_from_ptq(prepared, model, data, PRESET)
-
-
-def matched_blocks(setup: dict, flow: str) -> tuple:
-    """The module paths whose outputs `flow` matches besides the model's output."""
-    return setup["matched_blocks"] if flow.endswith(BLOCK_OUTPUTS) else ()
 
 
 def _ours_convert(prepared):
@@ -182,7 +168,6 @@ def run(name: str, quick: bool, flows, lr: float = None, steps: int = None) -> l
         augment = _image_augment(tm.QAT_SEED) if name == "efficientnet_lite0" else None
         history = qat.distill(prepared, model, qat_data, steps=steps, loss=setup["loss"],
                               temperature=setup["temperature"], lr=setup["lr"], qparam_lr=setup["qparam_lr"],
-                              intermediate=matched_blocks(setup, flow), intermediate_weight=setup["matched_weight"],
                               freeze_observers_after=0, augment=augment,
                               progress=False, desc=f"{name} {flow}")
         after = metric(convert(prepared))
@@ -196,8 +181,7 @@ def run(name: str, quick: bool, flows, lr: float = None, steps: int = None) -> l
     return rows
 
 
-FLOWS = ("XNNPACKQuantizer QAT", "ours", "ours learnable", "ours rotated", "ours rotated, asymmetric int4",
-         "ours rotated, asymmetric int4" + BLOCK_OUTPUTS)
+FLOWS = ("XNNPACKQuantizer QAT", "ours", "ours learnable", "ours rotated", "ours rotated, asymmetric int4")
 
 
 def main(argv=None) -> None:
