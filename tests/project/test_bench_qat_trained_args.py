@@ -10,18 +10,24 @@ import pytest
 from benchmarks import bench_qat_trained
 
 
-def test_lr_reaches_every_models_run(monkeypatch, capsys):
+@pytest.fixture
+def runs(monkeypatch) -> list:
+    """(model, lr, steps) of each run main starts; the runs themselves do nothing."""
     seen = []
 
     def fake_run(name, quick, flows, lr=None, steps=None):
-        seen.append((name, lr))
+        seen.append((name, lr, steps))
         return []
 
     monkeypatch.setattr(bench_qat_trained, "run", fake_run)
+    return seen
+
+
+def test_lr_reaches_every_models_run(runs):
     bench_qat_trained.main(["--lr", "3e-5", "--flows", "ours", "--threads", "1"])
-    assert seen == [(name, 3e-5) for name in bench_qat_trained.MODELS]
+    assert runs == [(name, 3e-5, None) for name in bench_qat_trained.MODELS]
     bench_qat_trained.main(["--models", "minilm", "--flows", "ours", "--threads", "1"])
-    assert seen[-1] == ("minilm", None)  # each model's own SETUPS rate
+    assert runs[-1] == ("minilm", None, None)  # each model's own SETUPS rate and steps
 
 
 @pytest.mark.parametrize("lr", ["0", "-1e-4"])
@@ -31,16 +37,9 @@ def test_lr_must_be_above_zero(lr, capsys):
     assert f"--lr must be a rate > 0, got {float(lr)}" in capsys.readouterr().err
 
 
-def test_steps_reaches_every_models_run(monkeypatch):
-    seen = []
-
-    def fake_run(name, quick, flows, lr=None, steps=None):
-        seen.append((name, steps))
-        return []
-
-    monkeypatch.setattr(bench_qat_trained, "run", fake_run)
+def test_steps_reaches_every_models_run(runs):
     bench_qat_trained.main(["--steps", "900", "--flows", "ours", "--threads", "1"])
-    assert seen == [(name, 900) for name in bench_qat_trained.MODELS]
+    assert runs == [(name, None, 900) for name in bench_qat_trained.MODELS]
 
 
 @pytest.mark.parametrize("steps", ["0", "-3"])
