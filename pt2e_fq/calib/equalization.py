@@ -111,11 +111,12 @@ def _point(gm: torch.fx.GraphModule, node) -> Optional[FakeQuantize]:
     return None
 
 
-def _parameter(gm, node, reader) -> Optional[tuple]:
+def _parameter(gm, node, reader, readers) -> Optional[tuple]:
     """(get_attr target, weight-point node or None) of a parameter argument
     read by `reader` alone, directly or through its fake-quant point; None
     otherwise (computed, or read elsewhere too, through this get_attr or
-    another of the same tensor: scaling it would change another op)."""
+    another of the same tensor: scaling it would change another op).
+    `readers`: calib.layers.tensor_readers(gm), counted once per search."""
     point = None
     if _point(gm, node) is not None:
         if set(node.users) != {reader}:
@@ -123,12 +124,12 @@ def _parameter(gm, node, reader) -> Optional[tuple]:
         point, node = node, node.args[0]
     if not (isinstance(node, torch.fx.Node) and node.op == "get_attr"):
         return None
-    if set(node.users) != {point or reader} or tensor_readers(gm)[id(_tensor(gm, node.target))] > 1:
+    if set(node.users) != {point or reader} or readers[id(_tensor(gm, node.target))] > 1:
         return None
     return node.target, point
 
 
-def _producer(gm, node) -> Optional[_Group]:
+def _producer(gm, node, readers) -> Optional[_Group]:
     """The group of `node` if it can absorb a scale per output channel."""
     if not is_layer(node, (*_NORMS, LINEAR)):
         return None
@@ -136,43 +137,43 @@ def _producer(gm, node) -> Optional[_Group]:
         shape = node.args[1]
         if len(shape) != 1 or len(node.args) < 3 or node.args[2] is None:
             return None
-        weight = _parameter(gm, node.args[2], node)
+        weight = _parameter(gm, node.args[2], node, readers)
         at = _NORMS[node.target]
         bias_arg = node.args[at] if at is not None and len(node.args) > at else None
-        bias = _parameter(gm, bias_arg, node) if bias_arg is not None else (None, None)
+        bias = _parameter(gm, bias_arg, node, readers) if bias_arg is not None else (None, None)
         if weight is None or bias is None or weight[1] is not None:
             return None
         return _Group(node, weight[0], bias[0], None, set())
     if node.target is LINEAR:
-        weight = _parameter(gm, node.args[1], node)
+        weight = _parameter(gm, node.args[1], node, readers)
         bias_arg = node.args[2] if len(node.args) > 2 else None
-        bias = _parameter(gm, bias_arg, node) if bias_arg is not None else (None, None)
+        bias = _parameter(gm, bias_arg, node, readers) if bias_arg is not None else (None, None)
         if weight is None or bias is None or bias[1] is not None:
             return None
         return _Group(node, weight[0], bias[0], weight[1], set())
     return None
 
 
-def _consumer(gm, linear, source) -> Optional[_Consumer]:
+def _consumer(gm, linear, source, readers) -> Optional[_Consumer]:
     """`linear` reading `source` as its input only, with a parameter weight."""
     if not is_layer(linear, (LINEAR,)) or linear.args[0] is not source:
         return None
     if source in linear.args[1:] or source in linear.kwargs.values():
         return None
-    weight = _parameter(gm, linear.args[1], linear)
+    weight = _parameter(gm, linear.args[1], linear, readers)
     if weight is None:
         return None
     return _Consumer(linear, weight[0], weight[1], source if _point(gm, source) is not None else None)
 
 
-def _step(gm, node, user):
+def _step(gm, node, user, readers):
     """How `user` reads `node`: the consumers it gives (a linear, or the
     linears behind an input point), True for an op that passes channels on
     (module doc), None for anything else."""
     if user.op == "call_module" and _point(gm, user) is not None:
         if user.args[0] is not node or not user.users:
             return None
-        consumers = [_consumer(gm, linear, user) for linear in user.users]
+        consumers = [_consumer(gm, linear, user, readers) for linear in user.users]
         return None if None in consumers else consumers
     if user.op != "call_function":
         return None
@@ -184,11 +185,11 @@ def _step(gm, node, user):
         rest = [a for i, a in enumerate(user.args) if i != at] + list(user.kwargs.values())
         ok = len(user.args) > at and user.args[at] is node and node not in rest and not user.kwargs.get("enable_gqa")
         return True if ok else None
-    consumer = _consumer(gm, user, node)
+    consumer = _consumer(gm, user, node, readers)
     return None if consumer is None else [consumer]
 
 
-def _follow(gm, group: _Group, compensate: bool) -> Optional[_Group]:
+def _follow(gm, group: _Group, compensate: bool, readers) -> Optional[_Group]:
     """The producer's readers as paths to linears' inputs (module doc); with
     `compensate`, a reader of another kind of the producer's output (or of
     dropout after it: BERT's embeddings) is kept in `group.compensated`.
@@ -198,7 +199,7 @@ def _follow(gm, group: _Group, compensate: bool) -> Optional[_Group]:
     while frontier:
         node = frontier.pop()
         for user in node.users:
-            step = _step(gm, node, user)
+            step = _step(gm, node, user, readers)
             if step is None:
                 if not (compensate and node in same_layout):
                     return None
@@ -220,10 +221,10 @@ def find_groups(gm: torch.fx.GraphModule, compensate: bool = True) -> list[_Grou
     A linear may be a consumer of one group and the producer of another
     (a pre-LN transformer's value projection): scaling its columns and its
     rows commute."""
-    groups = []
+    groups, readers = [], tensor_readers(gm)
     for node in gm.graph.nodes:
-        group = _producer(gm, node)
-        if group is None or _follow(gm, group, compensate) is None:
+        group = _producer(gm, node, readers)
+        if group is None or _follow(gm, group, compensate, readers) is None:
             continue
         groups.append(group)
     return groups
