@@ -26,7 +26,13 @@ for deployment when its training data and labels are not at hand.
   (the ranges stay where they are, learnable ones keep learning);
 - `augment`: applied to each batch before both models see it;
 - a tqdm bar; the returned History holds the loss of every step and any
-  held-out evaluations (`evaluate` every `eval_every` steps).
+  held-out evaluations (`evaluate` every `eval_every` steps);
+- `keep_best`: the student also evaluated before the first step, and left
+  at the state of its best evaluation, so that a run that overfits its
+  fine-tuning data does not end worse than it started on the user's
+  validation data (a trained EfficientNet-Lite0 at w8a8, 300 steps of
+  Adam at 1e-4 on augmented crops of nine images: top-1 agreement with the
+  float model on ten other photographs fell from 91.0 to 82.0 %).
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from .ops.blocks import expand_blocks
 from .spec.format_kinds import INTEGER, kind_of
 
 LOSSES = ("kl", "mse", "cosine")
+KEEP_BEST = (None, "max", "min")
 
 
 class TrainingDiverged(ValueError):
@@ -63,13 +70,15 @@ class History:
     """What a distillation run did: `losses` the total loss of every step,
     `intermediate_losses` the intermediate-matching part of it (empty
     without `intermediate`), `evaluations` (step, value) pairs of
-    `evaluate`, `batch_norms_frozen_at` and `observers_off_at` the step
-    after which each happened (None: not during the run), `seconds` the
-    wall time."""
+    `evaluate`, `best` the (step, value) of the evaluation whose state
+    the student ends at under `keep_best` (None without it), `batch_norms_frozen_at`
+    and `observers_off_at` the step after which each happened (None: not
+    during the run), `seconds` the wall time."""
 
     losses: list = field(default_factory=list)
     intermediate_losses: list = field(default_factory=list)
     evaluations: list = field(default_factory=list)
+    best: Optional[tuple] = None
     batch_norms_frozen_at: Optional[int] = None
     observers_off_at: Optional[int] = None
     seconds: float = 0.0
@@ -214,6 +223,40 @@ def _kl(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> tor
     return F.kl_div(s.flatten(0, -2), r.flatten(0, -2), log_target=True, reduction="batchmean") * t * t
 
 
+def output_error(student: torch.nn.Module, teacher: torch.nn.Module, batches: Sequence, loss: Union[str, Callable] = "mse",
+                 temperature: float = 1.0) -> float:
+    """The mean distillation loss of `student` against `teacher` over
+    `batches`, without gradients: a validation score for distill's
+    `evaluate` with keep_best="min" (the loss the run trains on, scored on
+    data it does not train on). The teacher runs in eval mode, its mode
+    restored after.
+
+    Args:
+        student: the model scored (a prepared student or a converted model).
+        teacher: the float model.
+        batches: model inputs, a tensor or a tuple of tensors per batch.
+        loss: as distill's `loss`.
+        temperature: the softmax temperature of "kl".
+
+    Returns:
+        The mean over the batches.
+
+    Raises:
+        ValueError: no batch, or an unknown loss.
+    """
+    if not callable(loss) and loss not in LOSSES:
+        raise ValueError(f"output_error: loss must be one of {', '.join(LOSSES)} or a callable, got {loss!r}")
+    if len(batches) == 0:
+        raise ValueError("output_error: batches holds no batch")
+    score, was_training = _output_loss(loss, temperature), teacher.training
+    teacher.eval()
+    try:
+        with torch.no_grad():
+            return sum(float(score(student(*as_args(b)), teacher(*as_args(b)))) for b in batches) / len(batches)
+    finally:
+        teacher.train(was_training)
+
+
 def _output_loss(loss: Union[str, Callable], temperature: float) -> Callable:
     if callable(loss):
         return loss
@@ -289,6 +332,13 @@ def _check_step_count(name: str, value, allow_none: bool = True) -> None:
         raise ValueError(f"distill: {name} must be an int >= 0{' or None' if allow_none else ''}, got {value!r}")
 
 
+def _better(value: float, best: float, keep_best: str) -> bool:
+    """Whether `value` beats `best` (strictly: a tie keeps the earlier state); NaN never does, and any number beats NaN."""
+    if math.isnan(best):
+        return not math.isnan(value)
+    return value > best if keep_best == "max" else value < best
+
+
 def _check_args(student, teacher, steps, loss, temperature, intermediate_weight, eval_every) -> None:
     if not isinstance(student, torch.fx.GraphModule):
         raise TypeError(f"distill: student must be the GraphModule of prepare_qat_pt2e / prepare_pt2e, got "
@@ -345,6 +395,7 @@ def distill(
     augment: Optional[Callable] = None,
     evaluate: Optional[Callable[[torch.fx.GraphModule], float]] = None,
     eval_every: Optional[int] = None,
+    keep_best: Optional[str] = None,
     progress: bool = True,
     desc: str = "distill",
 ) -> History:
@@ -379,6 +430,11 @@ def distill(
             metric), called in no_grad every `eval_every` steps and after
             the last; it may freeze and convert the copy.
         eval_every: see `evaluate`.
+        keep_best: "max" or "min": `evaluate` runs before the first step
+            too, and the student ends at the state (parameters and
+            buffers) of the highest ("max") or lowest ("min") evaluation,
+            its batch norms and observers frozen as the run left them;
+            None: the state after the last step.
         progress: show a tqdm bar.
         desc: the bar's label and the loop's name in errors.
 
@@ -391,6 +447,10 @@ def distill(
         TrainingDiverged: the loss or a parameter became NaN or infinite.
     """
     _check_args(student, teacher, steps, loss, temperature, intermediate_weight, eval_every)
+    if keep_best not in KEEP_BEST:
+        raise ValueError(f"distill: keep_best must be one of {', '.join(map(repr, KEEP_BEST))}, got {keep_best!r}")
+    if keep_best is not None and evaluate is None:
+        raise ValueError(f"distill: keep_best={keep_best!r} needs evaluate (the metric that picks the best state)")
     _check_step_count("freeze_batch_norms_after", freeze_batch_norms_after)
     _check_step_count("freeze_observers_after", freeze_observers_after)
     intermediate = list(intermediate)
@@ -417,14 +477,23 @@ def distill(
     def freeze_due(after: Optional[int], step: int) -> bool:
         return after is not None and step == after
 
+    best_state = None
+
     def run_evaluation(step: int) -> None:
+        nonlocal best_state
         with torch.no_grad():
-            history.evaluations.append((step, float(evaluate(copy.deepcopy(student)))))
+            value = float(evaluate(copy.deepcopy(student)))
+        history.evaluations.append((step, value))
+        if keep_best is not None and (history.best is None or _better(value, history.best[1], keep_best)):
+            history.best = (step, value)
+            best_state = {k: v.detach().clone() for k, v in student.state_dict().items()}
 
     try:
         with _tapped(student, intermediate, student_store) if intermediate else contextlib.nullcontext(), \
                 _hooked(teacher, intermediate, teacher_store) if intermediate else contextlib.nullcontext(), \
                 tqdm(total=steps, desc=desc, disable=not progress, unit="step", mininterval=0.5) as bar:
+            if keep_best is not None:
+                run_evaluation(0)
             epoch, position = 0, 0
             for step in range(steps):
                 if freeze_due(freeze_batch_norms_after, step):
@@ -464,5 +533,9 @@ def distill(
                 run_evaluation(steps)
     finally:
         teacher.train(teacher_was_training)
+    if best_state is not None and history.best[0] != steps:
+        student.load_state_dict(best_state)
+        if history.observers_off_at is not None:  # the flags are buffers: the restored state may predate the switch
+            student.apply(tao.disable_observer)
     history.seconds = time.perf_counter() - start
     return history

@@ -1,14 +1,17 @@
 """pt2e_fq.qat.distill on tiny models: the teacher is left as it was, the
 distillation loss falls and the student's held-out outputs move toward the
 teacher's, batch norms stop updating after the set step, learnable ranges
-(presets.get_preset(..., learnable=True)) receive gradients and move, and
-bad arguments give one-line errors. pipeline.quantize's QAT starts from the
-PTQ default (bit for bit) and lowers its held-out error;
-qat.latent_weights_in_cells keeps the outputs and returns the float values.
+(presets.get_preset(..., learnable=True)) receive gradients and move,
+keep_best ends at the state of the best evaluation (observers left as the
+run switched them), and bad arguments give one-line errors.
+pipeline.quantize's QAT starts from the PTQ default (bit for bit) and
+lowers its held-out error; qat.latent_weights_in_cells keeps the outputs
+and returns the float values.
 
-References: the teacher's state_dict snapshot (bit for bit), the teacher's
-own held-out outputs, the running statistics recorded at each step, the
-PTQ default's outputs, the grid step read off a point's scale."""
+References: the teacher's state_dict snapshot (bit for bit), the states
+the evaluations saw (bit for bit), the teacher's own held-out outputs, the
+running statistics recorded at each step, the PTQ default's outputs, the
+grid step read off a point's scale."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import pytest
 import torch
 from tests.models.mlp import ReluMLP
 from tests.models.stock_flow import batches as image_batches, build, stock_qat
+from torchao.quantization.pt2e import disable_observer
 from torchao.quantization.pt2e.quantize_pt2e import prepare_qat_pt2e
 
 from pt2e_fq import qat
@@ -141,6 +145,8 @@ def test_learnable_presets_and_their_errors():
     (dict(freeze_batch_norms_after=-1), ValueError, "freeze_batch_norms_after must be an int >= 0"),
     (dict(intermediate=["fc9"]), ValueError, r"intermediate names module\(s\) \['fc9'\]"),
     (dict(eval_every=0), ValueError, "eval_every must be >= 1"),
+    (dict(keep_best="best"), ValueError, "keep_best must be one of None, 'max', 'min', got 'best'"),
+    (dict(keep_best="max"), ValueError, "keep_best='max' needs evaluate"),
 ])
 def test_bad_arguments_give_one_line_errors(kwargs, error, match):
     torch.manual_seed(0)
@@ -181,6 +187,79 @@ def test_evaluate_sees_a_copy_and_is_recorded():
     assert [step for step, _ in history.evaluations] == [3, 6]
     assert all(copy is not student for copy in seen)
     assert history.evaluations[-1][1] == pytest.approx(_held_out_error(student, teacher))
+
+
+def _scripted_evaluation(values):
+    """An evaluate that returns `values` in turn (hand-set scores, whatever
+    the model) and keeps each copy's state, the reference keep_best is
+    checked against."""
+    seen = []
+
+    def evaluate(copy):
+        seen.append(_snapshot(copy))
+        return values[len(seen) - 1]
+
+    return evaluate, seen
+
+
+def _same_state(model, state) -> bool:
+    now = model.state_dict()
+    return now.keys() == state.keys() and all(torch.equal(now[k], state[k]) for k in now)
+
+
+@pytest.mark.parametrize("keep_best, values, best", [
+    ("max", [0.5, 0.9, 0.1, 0.2], 1),  # a middle evaluation
+    ("min", [0.1, 0.5, 0.6, 0.7], 0),  # the start: training made it worse
+    ("max", [float("nan"), 0.3, float("nan"), 0.2], 1),  # a NaN score never wins
+    ("min", [0.4, 0.3, 0.3, 0.2], 3),  # the last: nothing to restore
+    ("max", [0.4, 0.7, 0.7, 0.1], 1),  # a tie keeps the earlier state
+])
+def test_keep_best_ends_at_the_state_of_the_best_evaluation(keep_best, values, best):
+    torch.manual_seed(0)
+    teacher = ReluMLP()
+    student = _student(teacher)
+    evaluate, seen = _scripted_evaluation(values)
+    history = qat.distill(student, teacher, _data(4, 1), steps=9, lr=3e-4, evaluate=evaluate, eval_every=3,
+                          keep_best=keep_best, progress=False)
+    assert [step for step, _ in history.evaluations] == [0, 3, 6, 9]
+    assert history.best == history.evaluations[best]
+    assert _same_state(student, seen[best])
+    assert best == 3 or not _same_state(student, seen[3])  # the run did move the student
+
+
+def test_keep_best_keeps_the_observers_off_that_the_run_switched_off():
+    """The best state predates freeze_observers_after: its observer
+    switches (buffers) were on, and the restored student has them off."""
+    torch.manual_seed(0)
+    teacher = ReluMLP()
+    student = _student(teacher)
+    evaluate, seen = _scripted_evaluation([0.9, 0.1])
+    history = qat.distill(student, teacher, _data(4, 1), steps=4, lr=3e-4, evaluate=evaluate,
+                          freeze_observers_after=2, keep_best="max", progress=False)
+    assert history.best[0] == 0 and history.observers_off_at == 2
+    points = [m for m in student.modules() if isinstance(m, FakeQuantize)]
+    assert points and all(int(m.observer_enabled[0]) == 0 for m in points)
+    assert any(int(v[0]) == 1 for k, v in seen[0].items() if k.endswith("observer_enabled"))
+    params = {k for k, _ in student.named_parameters()}
+    assert all(torch.equal(v, seen[0][k]) for k, v in student.state_dict().items() if k in params)
+
+
+def test_keep_best_on_a_held_out_error_never_ends_above_the_start():
+    """A rate high enough to overshoot: with keep_best="min" on the held-out
+    error, the student ends at the lowest error the run recorded, which is
+    at most the start's; the error is measured again on the returned model."""
+    torch.manual_seed(0)
+    teacher = ReluMLP()
+    student = _student(teacher)
+    student.apply(disable_observer)  # measuring must not move the ranges
+    start = _held_out_error(student, teacher)
+    history = qat.distill(student, teacher, _data(2, 1), steps=12, lr=3e-2,
+                          evaluate=lambda copy: _held_out_error(copy, teacher), eval_every=2, keep_best="min",
+                          progress=False)
+    values = [v for _, v in history.evaluations]
+    assert values[0] == start
+    assert values[-1] > min(values)  # the rate overshot: the last state is not the best
+    assert _held_out_error(student, teacher) == min(values) <= start
 
 
 def test_one_call_qat_starts_from_the_ptq_default(monkeypatch):
@@ -225,6 +304,72 @@ def test_one_call_qat_lowers_the_held_out_error_of_its_ptq_start():
                                 progress=False)
     # Measured: 0.86x; from GPTQ's grid values without latent_weights_in_cells, 0.997x.
     assert error(trained) < 0.93 * error(ptq)
+
+
+@pytest.mark.parametrize("loss", ["mse", "kl", "cosine"])
+def test_output_error_is_the_mean_loss_over_the_batches(loss):
+    """qat.output_error against the losses written out here: the mean
+    squared difference, KL(teacher || student) of the softmaxes at
+    temperature 2 times 4 (per sample, averaged), 1 - cosine; the teacher
+    back in training mode after."""
+    torch.manual_seed(0)
+    teacher, student = ReluMLP().train(), ReluMLP()
+    batches = _data(3, 5)
+
+    def by_hand(s, t):
+        if loss == "mse":
+            return (s - t).square().mean()
+        if loss == "kl":
+            p, q = torch.softmax(t / 2, -1), torch.softmax(s / 2, -1)
+            return (p * (p.log() - q.log())).sum(-1).mean() * 4
+        return (1 - (s * t).sum(-1) / (s.norm(dim=-1) * t.norm(dim=-1))).mean()
+
+    with torch.no_grad():
+        teacher.eval()
+        expected = sum(float(by_hand(student(x), teacher(x))) for x in batches) / len(batches)
+        teacher.train()
+    assert qat.output_error(student, teacher, batches, loss, temperature=2.0) == pytest.approx(expected, rel=1e-5)
+    assert teacher.training
+    with pytest.raises(ValueError, match="loss must be one of"):
+        qat.output_error(student, teacher, batches, "l1")
+    with pytest.raises(ValueError, match="batches holds no batch"):
+        qat.output_error(student, teacher, [])
+
+
+def test_one_call_qat_with_validation_ends_no_worse_on_it_than_its_ptq_start(capsys):
+    """At a rate that overshoots (3e-2 on a few batches), pipeline.quantize's
+    QAT ends with a higher error than its PTQ start on inputs it does not
+    train on; with those inputs as `validation` it ends at its best-scored
+    state, no worse there than the PTQ start. The errors (mean squared
+    difference to the float model) are computed here on the converted
+    models."""
+    torch.manual_seed(0)
+    model, calibration = ReluMLP(), _data(2, 3)
+    validation = _data(4, 7)
+
+    def error(converted) -> float:
+        with torch.no_grad():
+            return sum(float((converted(x) - model(x)).square().mean()) for x in validation) / len(validation)
+
+    ptq = error(pipeline.quantize(model, calibration[0], "w4a8", calibration=calibration, progress=False))
+    kwargs = dict(calibration=calibration, qat_steps=30, lr=3e-2)
+    drifted = error(pipeline.quantize(model, calibration[0], "w4a8", progress=False, **kwargs))
+    capsys.readouterr()
+    kept = error(pipeline.quantize(model, calibration[0], "w4a8", validation=validation, progress=True, **kwargs))
+    assert drifted > 1.5 * ptq  # the scenario: QAT made it worse on data it did not see
+    assert kept <= ptq * (1 + 1e-6)
+    out = capsys.readouterr()
+    assert "QAT: the state after step" in out.out + out.err and "validation loss" in out.out + out.err
+
+
+def test_one_call_qat_validation_needs_qat_and_a_batch():
+    model, calibration = ReluMLP(), _data(2, 3)
+    with pytest.raises(ValueError, match="validation scores QAT; give qat_steps > 0"):
+        pipeline.quantize(model, calibration[0], "w4a8", calibration=calibration, validation=_data(1, 7),
+                          progress=False)
+    with pytest.raises(ValueError, match="validation holds no batch"):
+        pipeline.quantize(model, calibration[0], "w4a8", calibration=calibration, validation=[], qat_steps=2,
+                          progress=False)
 
 
 def test_latent_weights_in_cells_keep_the_outputs_and_return_the_float_values():
