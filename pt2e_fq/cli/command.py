@@ -2,7 +2,7 @@
 
     pt2e-fq demo [--out DIR]
     pt2e-fq quantize --model pkg.module:factory --example-input 1x3x32x32 --preset w8a8
-                     [--calib-data batches.pt] [--qat-steps N] [--qat-loss mse|cosine|kl] [--static-batch] [--out model.pt2] [--onnx model.onnx]
+                     [--calib-data batches.pt] [--qat-steps N] [--qat-validation batches.pt] [--qat-loss mse|cosine|kl] [--static-batch] [--out model.pt2] [--onnx model.onnx]
                      [--target fake_quant|generic|xnnpack|x86_inductor] [--pte model.pte]
                      [--unsupported error|keep|float]
     pt2e-fq report model.pt2 [--trusted-module MODULE ...]
@@ -127,6 +127,9 @@ def _parser() -> argparse.ArgumentParser:
                           help="write the config used (with --mixed-budget: the chosen one) as YAML or JSON")
     quantize.add_argument("--qat-steps", type=_int_at_least(0), default=0, metavar="N",
                           help="QAT steps after calibration, distilling the float model's outputs (default 0: PTQ)")
+    quantize.add_argument("--qat-validation", metavar="FILE.pt",
+                          help="batches in --calib-data's format that QAT does not train on: its loss is scored on "
+                               "them ten times along the run and the best-scored state is kept (needs --qat-steps)")
     quantize.add_argument("--lr", type=_positive_float, default=1e-4, help="QAT learning rate (Adam; default 1e-4)")
     quantize.add_argument("--qat-loss", choices=("mse", "cosine", "kl"), default="mse",
                           help="QAT distillation loss on the outputs: mse (default), cosine (embeddings), "
@@ -284,18 +287,20 @@ def example_inputs(text: str) -> tuple:
     return tuple(torch.randn(shape, generator=generator) for shape in dims)
 
 
-def calibration_batches(path: str, example: tuple, static_batch: bool = False) -> list[tuple]:
+def batches_file(path: str, example: tuple, static_batch: bool = False, flag: str = "--calib-data",
+                        purpose: str = "calibration") -> list[tuple]:
     """A list of batches, or one tensor split into batches of the example's
-    size; with static_batch, every batch has the example's shapes."""
+    size; with static_batch, every batch has the example's shapes. `flag`
+    and `purpose` name the option and its data in the errors."""
     import torch
 
-    value = _load_pt("--calib-data", path)
+    value = _load_pt(flag, path)
     if isinstance(value, torch.Tensor):
         if value.dim() == 0:
-            raise UsageError(f"--calib-data: {path!r} holds a 0-dim tensor (one number); expected a tensor whose "
+            raise UsageError(f"{flag}: {path!r} holds a 0-dim tensor (one number); expected a tensor whose "
                              "first dimension is the batch, or a list of batches")
         if len(example) != 1:
-            raise UsageError(f"--calib-data: {path!r} holds one tensor but the model takes {len(example)} inputs; "
+            raise UsageError(f"{flag}: {path!r} holds one tensor but the model takes {len(example)} inputs; "
                              "save a list of batches, each a tuple of tensors")
         size = example[0].shape[0] if example[0].dim() else 1
         batches = [(b,) for b in value.split(size)]
@@ -303,21 +308,21 @@ def calibration_batches(path: str, example: tuple, static_batch: bool = False) -
         if isinstance(value, tuple):
             value = [value]
         if not isinstance(value, list) or not value:
-            raise UsageError(f"--calib-data: {path!r} holds a {type(value).__name__}; expected a tensor or a "
+            raise UsageError(f"{flag}: {path!r} holds a {type(value).__name__}; expected a tensor or a "
                              "non-empty list of batches (each a tensor or a tuple of tensors)")
-        batches = [_model_args("--calib-data", path, b) for b in value]
+        batches = [_model_args(flag, path, b) for b in value]
     # The model is exported with a dynamic batch dimension only, or none (--static-batch).
     expected = [((None,) + tuple(t.shape[1:]) if t.dim() and not static_batch else tuple(t.shape), t.dtype)
                 for t in example]
     for i, batch in enumerate(batches):
-        check_inputs("--calib-data", f"batch {i} of {path!r}", batch, expected)
+        check_inputs(flag, f"batch {i} of {path!r}", batch, expected)
         if any(t.numel() == 0 for t in batch):
-            raise UsageError(f"--calib-data: batch {i} of {path!r} is empty (shapes "
-                             f"{[tuple(t.shape) for t in batch]}); calibration needs at least one sample per batch")
+            raise UsageError(f"{flag}: batch {i} of {path!r} is empty (shapes "
+                             f"{[tuple(t.shape) for t in batch]}); {purpose} needs at least one sample per batch")
         bad = sum(int((~torch.isfinite(t)).sum()) for t in batch if t.is_floating_point())
         if bad:
-            raise UsageError(f"--calib-data: batch {i} of {path!r} holds {bad} NaN or infinite value(s); "
-                             "calibration data must be finite")
+            raise UsageError(f"{flag}: batch {i} of {path!r} holds {bad} NaN or infinite value(s); "
+                             f"{purpose} data must be finite")
     return batches
 
 
@@ -462,9 +467,13 @@ def cmd_quantize(args) -> int:
     if args.save_config and not args.save_config.endswith((".yaml", ".yml", ".json")):
         raise UsageError(f"--save-config: expected a .yaml, .yml or .json file name, got {args.save_config!r}")
     _check_output("--save-config", args.save_config, Path(args.save_config or "").suffix)
+    if args.qat_validation and not args.qat_steps:
+        raise UsageError("--qat-validation: it scores QAT; give --qat-steps N (N > 0) with it")
     example = example_inputs(args.example_input)
     config = quantizer_config(args)
-    calibration = calibration_batches(args.calib_data, example, args.static_batch) if args.calib_data else None
+    calibration = batches_file(args.calib_data, example, args.static_batch) if args.calib_data else None
+    validation = (batches_file(args.qat_validation, example, args.static_batch, "--qat-validation", "validation")
+                  if args.qat_validation else None)
     model = build_model(args.model)
     import torch
 
@@ -487,7 +496,7 @@ def cmd_quantize(args) -> int:
         # A plain preset goes by its name: pipeline.quantize then runs its defaults (int8 edges, calib algorithms).
         how = args.preset if args.preset and args.mixed_budget is None and config == _plain_preset(args) else config
         converted = pipeline.quantize(model, example, how, calibration=calibration, qat_steps=args.qat_steps,
-                                      lr=args.lr, loss=args.qat_loss,
+                                      lr=args.lr, loss=args.qat_loss, validation=validation,
                                       temperature=2.0 if args.qat_loss == "kl" else 1.0, progress=not args.no_progress, dynamic_batch=not args.static_batch)
     except pipeline.ExportError as e:
         raise UsageError(f"--model: {e}") from None

@@ -296,6 +296,7 @@ def quantize(
     progress: bool = True,
     dynamic_batch: bool = True,
     algorithms: bool = True,
+    validation: Optional[Sequence] = None,
 ) -> torch.fx.GraphModule:
     """The whole flow for a model without labels. PTQ: prepare, calibrate on
     `calibration` (batches; default: the example inputs), convert. For a
@@ -319,7 +320,12 @@ def quantize(
     nearest, it trains from its float value, not from the centre of its
     cell (pt2e_fq.qat.latent_weights_in_cells: the same outputs, and a
     weight that can change its rounding in a few steps):
-    start_qat_from_ptq.
+    start_qat_from_ptq. With `validation` batches, QAT is scored on them by
+    the same loss (pt2e_fq.qat.output_error) before the first step, after
+    every tenth of the steps and after the last, and the model converted is
+    the best-scored state (distill's keep_best="min"): QAT that drifts away
+    from the float model on data it does not train on ends no worse there
+    than the PTQ it started from.
 
     dynamic_batch=False exports with the example's batch size (a model
     whose batch dimension cannot be dynamic); then every calibration batch
@@ -338,12 +344,15 @@ def quantize(
         progress: show tqdm bars.
         dynamic_batch: export with a dynamic batch dimension.
         algorithms: run a preset's post-training algorithms and int8 edges.
+        validation: batches QAT is scored on (not trained on); None: QAT
+            ends after its last step. Only with qat_steps > 0.
 
     Returns:
         The converted GraphModule.
 
     Raises:
-        ValueError: qat_steps < 0 or no calibration batch.
+        ValueError: qat_steps < 0, no calibration batch, or `validation`
+            empty or given without QAT.
         ExportError: torch.export cannot export the model.
         TrainingDiverged: QAT's loss or a parameter became NaN or infinite.
     """
@@ -353,6 +362,12 @@ def quantize(
     batches = [as_args(b) for b in (calibration if calibration is not None else [example])]
     if not batches:
         raise ValueError("quantize: calibration holds no batch")
+    if validation is not None:
+        if qat_steps == 0:
+            raise ValueError("quantize: validation scores QAT; give qat_steps > 0 with it")
+        validation = [as_args(b) for b in validation]
+        if not validation:
+            raise ValueError("quantize: validation holds no batch")
     name = config if algorithms and isinstance(config, str) else None
     if name in presets.INT8_EDGE_PRESETS:
         config = presets.int8_edges(presets.get_preset(name), model)
@@ -362,6 +377,13 @@ def quantize(
         run_ptq_algorithms(prepared, model, batches, name)
         return convert(prepared)
     start_qat_from_ptq(prepared, model, batches, name)
-    qat.distill(prepared, model, batches, steps=qat_steps, loss=loss, temperature=temperature, lr=lr,
-                qparam_lr=qparam_lr, progress=progress, desc="QAT")
+    scoring = {} if validation is None else dict(
+        evaluate=lambda student: qat.output_error(student, model, validation, loss, temperature),
+        eval_every=max(1, qat_steps // 10), keep_best="min")
+    history = qat.distill(prepared, model, batches, steps=qat_steps, loss=loss, temperature=temperature, lr=lr,
+                          qparam_lr=qparam_lr, progress=progress, desc="QAT", **scoring)
+    if validation is not None and progress:
+        (step, best), start = history.best, history.evaluations[0][1]
+        tqdm.write(f"QAT: the state after step {step} of {qat_steps} kept: validation loss {best:.4g} "
+                   f"(at the start {start:.4g}, after the last step {history.evaluations[-1][1]:.4g})")
     return convert(prepared)

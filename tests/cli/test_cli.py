@@ -170,7 +170,7 @@ def test_example_input_shapes():
 def test_calibration_tensor_is_split_into_example_sized_batches(tmp_path):
     path = tmp_path / "calib.pt"
     torch.save(torch.arange(20.0).reshape(20, 1), path)
-    batches = command.calibration_batches(str(path), (torch.zeros(8, 1),))
+    batches = command.batches_file(str(path), (torch.zeros(8, 1),))
     assert [b[0].shape[0] for b in batches] == [8, 8, 4]
     assert torch.equal(torch.cat([b[0] for b in batches]), torch.arange(20.0).reshape(20, 1))
 
@@ -344,6 +344,35 @@ def test_calib_data_errors_are_one_line(capsys, tmp_path, value, message):
     path = _saved(tmp_path, "calib.pt", value)
     err = _one_line_error(capsys, 2, *QUANTIZE, "--preset", "w8a8", "--calib-data", path)
     assert err == f"pt2e-fq quantize: error: --calib-data: {message.format(path=path)}"
+
+
+def test_qat_validation_is_checked_like_calib_data(capsys, tmp_path):
+    """--qat-validation needs --qat-steps (found before any work) and its
+    file gets --calib-data's checks, named by its own flag."""
+    good = _saved(tmp_path, "good.pt", torch.randn(16, 16))
+    err = _one_line_error(capsys, 2, *QUANTIZE, "--preset", "w8a8", "--qat-validation", good)
+    assert err == "pt2e-fq quantize: error: --qat-validation: it scores QAT; give --qat-steps N (N > 0) with it"
+    bad = _saved(tmp_path, "bad.pt", torch.tensor([[float("nan")] * 16]))
+    err = _one_line_error(capsys, 2, *QUANTIZE, "--preset", "w8a8", "--qat-steps", "2", "--qat-validation", bad)
+    assert err == (f"pt2e-fq quantize: error: --qat-validation: batch 0 of {bad!r} holds 16 NaN or infinite "
+                   "value(s); validation data must be finite")
+
+
+def test_qat_validation_keeps_the_best_scored_state(capsys, tmp_path):
+    """A QAT run at a rate that overshoots (--lr 0.05) with --qat-validation
+    says which step's state it kept and the validation losses at the start and at the end."""
+    g = torch.Generator().manual_seed(0)
+    calib = _saved(tmp_path, "calib.pt", torch.randn(16, 16, generator=g))
+    validation = _saved(tmp_path, "validation.pt", torch.randn(32, 16, generator=g))
+    args = [a for a in QUANTIZE if a != "--no-progress"]
+    rc, out, err = cli_main(capsys, *args, "--preset", "w4a8", "--calib-data", calib, "--qat-steps", "20",
+                            "--lr", "0.05", "--qat-validation", validation)
+    assert rc == 0, err
+    kept = re.search(r"QAT: the state after step (\d+) of 20 kept: validation loss (\S+) \(at the start (\S+), "
+                     r"after the last step (\S+)\)", out + err)
+    assert kept, out + err
+    best, start, last = map(float, kept.groups()[1:])
+    assert best <= min(start, last)
 
 
 def test_a_diverging_lr_is_named(capsys):
