@@ -71,9 +71,9 @@ class History:
     `intermediate_losses` the intermediate-matching part of it (empty
     without `intermediate`), `evaluations` (step, value) pairs of
     `evaluate`, `best` the (step, value) of the evaluation whose state
-    the student ends at under `keep_best` (None without it), `batch_norms_frozen_at`
-    and `observers_off_at` the step after which each happened (None: not
-    during the run), `seconds` the wall time."""
+    the student ends at under `keep_best` (None without it),
+    `batch_norms_frozen_at` and `observers_off_at` the step after which
+    each happened (None: not during the run), `seconds` the wall time."""
 
     losses: list = field(default_factory=list)
     intermediate_losses: list = field(default_factory=list)
