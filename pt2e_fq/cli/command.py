@@ -129,7 +129,8 @@ def _parser() -> argparse.ArgumentParser:
                           help="QAT steps after calibration, distilling the float model's outputs (default 0: PTQ)")
     quantize.add_argument("--qat-validation", metavar="FILE.pt",
                           help="batches in --calib-data's format that QAT does not train on: its loss is scored on "
-                               "them ten times along the run and the best-scored state is kept (needs --qat-steps)")
+                               "them before the first step and after every tenth of the steps, and the best-scored "
+                               "state is kept (needs --qat-steps)")
     quantize.add_argument("--lr", type=_positive_float, default=1e-4, help="QAT learning rate (Adam; default 1e-4)")
     quantize.add_argument("--qat-loss", choices=("mse", "cosine", "kl"), default="mse",
                           help="QAT distillation loss on the outputs: mse (default), cosine (embeddings), "
@@ -288,7 +289,7 @@ def example_inputs(text: str) -> tuple:
 
 
 def batches_file(path: str, example: tuple, static_batch: bool = False, flag: str = "--calib-data",
-                        purpose: str = "calibration") -> list[tuple]:
+                 purpose: str = "calibration") -> list[tuple]:
     """A list of batches, or one tensor split into batches of the example's
     size; with static_batch, every batch has the example's shapes. `flag`
     and `purpose` name the option and its data in the errors."""
