@@ -28,8 +28,14 @@ observer, else the calibrated range): `grid` fractions spaced
 geometrically from 1/64 to 1, then `grid` as many within one such step
 either side of the best. For a symmetric scheme both ends move together;
 for an asymmetric one, the upper end with the lower fixed, then the lower
-with the best upper, at each of the two resolutions (coordinate descent). All candidates of a stage are evaluated in one
-batched op call and one batched matmul per reader.
+with the best upper, at each of the two resolutions (coordinate descent).
+
+Cost: each candidate is one op call and one matmul per reader on the
+sampled columns, so the columns are capped in number (`max_columns`) and
+in values (`max_values`: a depthwise conv's column holds every channel's
+taps), and a reader with more outputs than inputs is scored through the
+triangular factor R of its weight (Wq = QR: ||Wq e|| = ||R e||), an
+n x n product instead of o x n.
 
 A point read by anything but a layer's input (an attention matmul, an
 add) is left as it is: its other readers' error is not measured. The
@@ -53,8 +59,6 @@ from ..spec.schemes import Formulation, Scheme
 from . import layers as _layers
 from .statistics import input_columns
 
-# Candidate elements (candidates x columns x inputs) evaluated in one op call.
-_CHUNK_ELEMENTS = 1 << 24
 # The coarse candidates' smallest fraction of the observed range.
 _SMALLEST_FRACTION = 1 / 64
 _SYMMETRIC = (Scheme.SYMMETRIC, Scheme.SYMMETRIC_NARROW, Scheme.SYMMETRIC_NO_CLIP)
@@ -112,12 +116,17 @@ def find_targets(gm: torch.fx.GraphModule) -> list[_Target]:
 
 
 class _Sampler(torch.fx.Interpreter):
-    """Runs the prepared model, keeping each target's input columns, sampled."""
+    """Runs the prepared model, keeping each target's input columns, sampled:
+    per reader, at most `max_columns` columns and `max_values` values in all,
+    spread evenly over the batches."""
 
-    def __init__(self, gm, targets: list[_Target], per_batch: int, generator: torch.Generator):
+    def __init__(self, gm, targets: list[_Target], batches: int, max_columns: int, max_values: int,
+                 generator: torch.Generator):
         super().__init__(gm)
         self.targets = {t.node: t for t in targets}
-        self.per_batch = per_batch
+        self.batches = batches
+        self.max_columns = max_columns
+        self.max_values = max_values
         self.generator = generator
 
     def run_node(self, n):
@@ -126,7 +135,12 @@ class _Sampler(torch.fx.Interpreter):
             x = self.fetch_args_kwargs_from_env(n)[0][0]
             for layer in target.readers:
                 chunks = list(input_columns(layer, x))
-                take = math.ceil(self.per_batch / len(chunks))
+                groups, inputs = chunks[0].shape[:2]
+                # A grouped conv's column holds groups x its taps values (a 5x5 depthwise conv on 1152
+                # channels: 28,800, each activation value in up to 25 of them): the value cap keeps its
+                # candidates' cost near a dense reader's.
+                columns = min(self.max_columns, max(1, self.max_values // (groups * inputs)))
+                take = math.ceil(columns / self.batches / len(chunks))
                 for cols in chunks:
                     m = cols.shape[-1]
                     picked = cols if m <= take else cols[..., torch.randperm(m, generator=self.generator)[:take]]
@@ -164,7 +178,14 @@ class _Scorer:
             x = torch.cat(target.columns.pop(layer.node), dim=-1)
             wq = layer.quantize(layer.as_matrix(layer.weight(gm).float()))
             y = wq @ x
-            self.readers.append((x, y, wq, y.double().pow(2).sum().item()))
+            signal = y.double().pow(2).sum().item()
+            if wq.shape[-2] > wq.shape[-1]:
+                # Wq = QR with Q's columns orthonormal, so ||Wq e|| = ||R e||: a reader with more outputs
+                # than inputs (an expand conv, an MLP's up projection) costs each candidate an n x n
+                # product instead of an o x n one (R: n x n, upper triangular; fp64 for its digits).
+                wq = torch.linalg.qr(wq.double(), mode="r").R.float()
+                y = wq @ x
+            self.readers.append((x, y, wq, signal))
 
     def qparams(self, ranges: torch.Tensor) -> dict:
         """The point's qparams for each row (lo, hi) of `ranges`, shape (K,)."""
@@ -176,14 +197,14 @@ class _Scorer:
         count = next(iter(qparams.values())).shape[0]
         total = torch.zeros(count, dtype=torch.float64)
         for x, y, wq, signal in self.readers:
-            step = max(1, _CHUNK_ELEMENTS // max(x.numel(), y.numel()))
-            for start in range(0, count, step):
-                q = {k: v[start:start + step] for k, v in qparams.items()}
-                k = next(iter(q.values())).shape[0]
-                shaped = {name: v.reshape(k, 1, 1, 1) for name, v in q.items()}
-                xq = spec.kind.fake_quantize(spec, x.expand(k, *x.shape).contiguous(), (1, *x.shape), shaped)
-                error = (y - wq @ xq).double().pow(2).sum((1, 2, 3))
-                total[start:start + k] += error / signal if signal > 0 else error
+            # One op call per candidate on the columns as they are: a batched call needs a copy of
+            # the columns per candidate, which costs more than the calls it saves (2-7x on the
+            # readers of EfficientNet-Lite0 and MiniLM).
+            for i in range(count):
+                q = {name: v[i].reshape((1,) * x.dim()) for name, v in qparams.items()}
+                xq = spec.kind.fake_quantize(spec, x, tuple(x.shape), q)
+                error = (y - wq @ xq).pow(2).sum(dtype=torch.float64)
+                total[i] += error / signal if signal > 0 else error
         return total
 
 
@@ -239,7 +260,8 @@ def _search(gm, target: _Target, grid: int) -> RangeResult:
 
 
 def search_activation_ranges(prepared: torch.fx.GraphModule, batches: Iterable, *, grid: int = 16,
-                             max_columns: int = 2048, seed: int = 0) -> list[RangeResult]:
+                             max_columns: int = 2048, max_values: int = 1 << 22,
+                             seed: int = 0) -> list[RangeResult]:
     """Chooses the range of every static per-tensor integer activation point
     of `prepared` (calibrated) that only convs and linears with a weight
     point read, for their smallest output error on `batches` (module doc),
@@ -252,6 +274,9 @@ def search_activation_ranges(prepared: torch.fx.GraphModule, batches: Iterable, 
         batches: calibration batches (tensors or tuples of tensors).
         grid: candidate range ends per stage (module doc).
         max_columns: input columns (a linear's rows, a conv's patches) sampled per reader.
+        max_values: input values sampled per reader (columns times the values of a column,
+            a grouped conv's groups times its taps): fewer columns where max_columns
+            would exceed it.
         seed: the seed of the column sampling.
 
     Returns:
@@ -259,7 +284,7 @@ def search_activation_ranges(prepared: torch.fx.GraphModule, batches: Iterable, 
 
     Raises:
         TypeError: prepared is not a GraphModule.
-        ValueError: grid < 2, max_columns < 1, or batches empty.
+        ValueError: grid < 2, max_columns < 1, max_values < 1, or batches empty.
     """
     if not isinstance(prepared, torch.fx.GraphModule):
         raise TypeError(f"search_activation_ranges: prepared must be the GraphModule of prepare_pt2e, got "
@@ -268,6 +293,8 @@ def search_activation_ranges(prepared: torch.fx.GraphModule, batches: Iterable, 
         raise ValueError(f"search_activation_ranges: grid must be an int >= 2, got {grid!r}")
     if not isinstance(max_columns, int) or max_columns < 1:
         raise ValueError(f"search_activation_ranges: max_columns must be an int >= 1, got {max_columns!r}")
+    if not isinstance(max_values, int) or max_values < 1:
+        raise ValueError(f"search_activation_ranges: max_values must be an int >= 1, got {max_values!r}")
     inputs = [tree_leaves(b if isinstance(b, tuple) else (b,)) for b in batches]
     if not inputs:
         raise ValueError("search_activation_ranges: batches holds no batch")
@@ -279,7 +306,7 @@ def search_activation_ranges(prepared: torch.fx.GraphModule, batches: Iterable, 
     for m in points:  # sampling must not move the ranges
         m.enable_observer(False)
     try:
-        sampler = _Sampler(prepared, targets, math.ceil(max_columns / len(inputs)),
+        sampler = _Sampler(prepared, targets, len(inputs), max_columns, max_values,
                            torch.Generator().manual_seed(seed))
         with torch.no_grad():
             for batch in inputs:
