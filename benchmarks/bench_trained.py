@@ -11,7 +11,8 @@ depthwise convs and classifier at int8 weights, presets.int8_edges; then
 pt2e_fq.calib.apply's algorithms for the presets of presets.PTQ_ALGORITHMS
 and, on a CNN, calib.correct_activation_bias (presets.CNN_PTQ_ALGORITHMS),
 timed: the wall and CPU seconds of them all, and the wall seconds of the
-weight rounding (weight ranges, GPTQ, bias correction) among them);
+weight rounding (weight ranges, GPTQ, bias correction) and of the
+activation range search (w8a8) among them);
 XNNPACKQuantizer and X86InductorQuantizer with int8 and int4 weights
 (stock_flows.stock_quantizer).
 Metrics: benchmarks/trained_models.py (± one standard error).
@@ -89,7 +90,10 @@ def run(name: str, preset_names, quick: bool, layers: int, stock_bits=stock_flow
         values = metrics(reference, tm.outputs(converted, held_out))
         time_text = "-"
         if report is not None:  # the whole of run_ptq_algorithms, and the weight rounding within it
-            time_text = f"{seconds[0]:.0f} ({seconds[1]:.0f} CPU), rounding {report.stage_seconds['rounding']:.0f}"
+            stages = report.stage_seconds
+            time_text = f"{seconds[0]:.0f} ({seconds[1]:.0f} CPU), rounding {stages['rounding']:.0f}"
+            if "activation_ranges" in stages:
+                time_text += f", range search {stages['activation_ranges']:.0f}"
         rows.append((flow, preset, str(stock_flows.coverage(converted)),
                      *(tm.format_estimate(values[k], DIGITS[k]) for k in keys), time_text))
         print("| " + " | ".join(rows[-1]) + " |", flush=True)  # as the table prints it, should the run stop
