@@ -22,25 +22,56 @@ _UNFOLD_VALUES = 1 << 22
 _FP64_COLUMNS = 64
 
 
+def _conv_geometry(layer: Layer, x: torch.Tensor) -> tuple:
+    """(kernel, stride, padding, dilation, groups, output size) of a conv layer on x."""
+    stride, padding, dilation, groups = layer.conv_args()
+    kernel = tuple(layer.weight_shape[2:])
+    out = tuple((size + 2 * p - d * (k - 1) - 1) // st + 1
+                for size, k, st, p, d in zip(x.shape[2:], kernel, stride, padding, dilation))
+    return kernel, stride, padding, dilation, groups, out
+
+
 def input_columns(layer: Layer, x: torch.Tensor):
     """The (groups, n, m) fp32 input columns of x for `layer` (its weight
     matrix times them gives its output without bias), a chunk of samples at
-    a time for a conv that unfolds its input."""
+    a time for a conv that unfolds its input. Concatenated, the columns are
+    in the order of the output positions: sample, then output row, then
+    output column (a linear's: its input rows)."""
     x = x.detach().float()
     if not layer.is_conv:
         yield x.reshape(-1, x.shape[-1]).T.unsqueeze(0)
         return
-    stride, padding, dilation, groups = layer.conv_args()
-    kernel = tuple(layer.weight_shape[2:])
+    kernel, stride, padding, dilation, groups, out = _conv_geometry(layer, x)
     if kernel == (1, 1) and stride == (1, 1) and padding == (0, 0):  # a pointwise conv needs no unfold
         yield x.transpose(0, 1).reshape(groups, x.shape[1] // groups, -1)
         return
-    positions = math.prod((size + 2 * p - d * (k - 1) - 1) // st + 1
-                          for size, k, st, p, d in zip(x.shape[2:], kernel, stride, padding, dilation))
-    for chunk in x.split(max(1, _UNFOLD_VALUES // (x.shape[1] * math.prod(kernel) * positions))):
+    for chunk in x.split(max(1, _UNFOLD_VALUES // (x.shape[1] * math.prod(kernel) * math.prod(out)))):
         cols = F.unfold(chunk, kernel, dilation=dilation, padding=padding, stride=stride)  # (B, C*kh*kw, L)
         b, n, l = cols.shape
         yield cols.reshape(b, groups, n // groups, l).permute(1, 2, 0, 3).reshape(groups, n // groups, b * l)
+
+
+def column_count(layer: Layer, x: torch.Tensor) -> int:
+    """How many input columns x gives `layer` (its output positions)."""
+    if not layer.is_conv:
+        return x.numel() // x.shape[-1]
+    return x.shape[0] * math.prod(_conv_geometry(layer, x)[-1])
+
+
+def columns_at(layer: Layer, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The (groups, n, len(index)) columns of input_columns(layer, x), concatenated,
+    at the output positions `index`, gathered without unfolding the rest."""
+    x = x.detach().float()
+    if not layer.is_conv:
+        return x.reshape(-1, x.shape[-1])[index].T.unsqueeze(0)
+    kernel, stride, padding, dilation, groups, out = _conv_geometry(layer, x)
+    sample, position = index // math.prod(out), index % math.prod(out)
+    row, col = position // out[1] * stride[0], position % out[1] * stride[1]
+    padded = F.pad(x, (padding[1], padding[1], padding[0], padding[0]))
+    taps = [padded[sample, :, row + i * dilation[0], col + j * dilation[1]]  # (m, C) each
+            for i in range(kernel[0]) for j in range(kernel[1])]
+    # (C, kh * kw, m): unfold's order of a column's values (channel, then kernel row, then column).
+    return torch.stack(taps, dim=-1).permute(1, 2, 0).reshape(groups, -1, len(index))
 
 
 class InputStatistics:

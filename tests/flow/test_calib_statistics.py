@@ -1,10 +1,12 @@
-"""pt2e_fq.calib.statistics.input_columns: a layer's weight matrix times the
-columns it yields gives ATen's conv2d / linear output (without bias), for
+"""pt2e_fq.calib.statistics: a layer's weight matrix times the columns
+input_columns yields gives ATen's conv2d output (without bias), for
 strided, padded, dilated and grouped convs, whether the input is unfolded
 whole, a sample at a time, or in chunks of several samples (as many whole
-samples as the unfold budget holds, sized by ATen's output); and the second
-moment InputStatistics accumulates over those chunks matches one computed
-here from F.unfold of the whole input."""
+samples as the unfold budget holds, sized by ATen's output); columns_at
+gathers the same columns at any output positions without unfolding, and
+column_count counts ATen's output positions; the second moment
+InputStatistics accumulates over chunks matches one computed here from
+F.unfold of the whole input."""
 
 import math
 
@@ -26,8 +28,8 @@ CONVS = {  # name: (in, out, kernel, stride, padding, dilation, groups)
 }
 
 
-def _layer(conv: nn.Conv2d, x: torch.Tensor):
-    model = nn.Sequential(conv).eval()
+def _layer(module: nn.Module, x: torch.Tensor):
+    model = nn.Sequential(module).eval()
     prepared = pipeline.prepare(model, x, "w8a8")
     (layer,) = layers.find_layers(prepared)
     return layer
@@ -64,3 +66,30 @@ def test_second_moment_matches_unfold_of_the_whole_input(monkeypatch):
     cols = F.unfold(x.double(), 3, padding=1).reshape(5, 3, 18, 64).permute(1, 2, 0, 3).reshape(3, 18, 320)
     torch.testing.assert_close(stats.second_moment, cols @ cols.transpose(1, 2) / 320)
     torch.testing.assert_close(stats.mean, cols.mean(-1))
+
+
+@pytest.mark.parametrize("name", CONVS)
+def test_columns_at_positions_are_those_of_the_unfold(name):
+    """columns_at gathers, at any output positions, the columns input_columns
+    unfolds there; column_count is the number of ATen's output positions."""
+    cin, cout, k, stride, padding, dilation, groups = CONVS[name]
+    torch.manual_seed(0)
+    conv = nn.Conv2d(cin, cout, k, stride, padding, dilation, groups, bias=False)
+    x = torch.randn(3, cin, 9, 11)
+    layer = _layer(conv, x)
+    every = torch.cat(list(statistics.input_columns(layer, x)), dim=-1)
+    count = statistics.column_count(layer, x)
+    assert count == conv(x)[:, 0].numel() == every.shape[-1]
+    index = torch.randperm(count, generator=torch.Generator().manual_seed(1))[:37]
+    torch.testing.assert_close(statistics.columns_at(layer, x, index), every[..., index], rtol=0, atol=0)
+
+
+def test_linear_columns_at_positions_are_its_rows():
+    torch.manual_seed(0)
+    linear = nn.Linear(6, 4)
+    x = torch.randn(2, 5, 6)
+    layer = _layer(linear, x)
+    assert statistics.column_count(layer, x) == 10
+    index = torch.tensor([7, 0, 3])
+    torch.testing.assert_close(statistics.columns_at(layer, x, index), x.reshape(10, 6)[index].T.unsqueeze(0),
+                               rtol=0, atol=0)
