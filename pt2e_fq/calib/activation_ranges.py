@@ -57,7 +57,7 @@ from ..spec.format_kinds import INTEGER
 from ..spec.granularity import PerTensor
 from ..spec.schemes import Formulation, Scheme
 from . import layers as _layers
-from .statistics import column_count, columns_at
+from .statistics import column_layout, columns_at
 
 # The coarse candidates' smallest fraction of the observed range.
 _SMALLEST_FRACTION = 1 / 64
@@ -137,10 +137,9 @@ class _Sampler(torch.fx.Interpreter):
                 # A grouped conv's column holds all its channels' taps (a 5x5 depthwise conv on 1152
                 # channels: 28,800 values, each activation value in up to 25 columns): the value cap
                 # keeps its candidates' cost near a dense reader's.
-                values = x.shape[1] * math.prod(layer.weight_shape[2:]) if layer.is_conv else x.shape[-1]
+                count, values = column_layout(layer, x)
                 columns = min(self.max_columns, max(1, self.max_values // values))
                 take = math.ceil(columns / self.batches)
-                count = column_count(layer, x)
                 index = torch.randperm(count, generator=self.generator)[:take] if count > take else torch.arange(count)
                 target.columns[layer.node].append(columns_at(layer, x, index))
         return super().run_node(n)

@@ -17,7 +17,8 @@ from .layers import Layer
 
 # Values of a conv's unfolded input made at once (whole samples, at least one). An unfolded
 # input far above it (4 samples of a 3x3 conv's 96 x 112 x 112 input: 173 MB) is a fresh block
-# of memory each time, paid for in page faults: three times the arithmetic on EfficientNet-Lite0.
+# of memory each time, paid for in page faults: on EfficientNet-Lite0, as much kernel time as
+# arithmetic (about 20 s of each on 64 crops).
 _UNFOLD_VALUES = 1 << 22
 _FP64_COLUMNS = 64
 
@@ -51,11 +52,13 @@ def input_columns(layer: Layer, x: torch.Tensor):
         yield cols.reshape(b, groups, n // groups, l).permute(1, 2, 0, 3).reshape(groups, n // groups, b * l)
 
 
-def column_count(layer: Layer, x: torch.Tensor) -> int:
-    """How many input columns x gives `layer` (its output positions)."""
+def column_layout(layer: Layer, x: torch.Tensor) -> tuple[int, int]:
+    """(columns, values per column) of x for `layer`: its output positions,
+    and the inputs each reads over all groups (a conv's channels x taps)."""
     if not layer.is_conv:
-        return x.numel() // x.shape[-1]
-    return x.shape[0] * math.prod(_conv_geometry(layer, x)[-1])
+        return x.numel() // x.shape[-1], x.shape[-1]
+    kernel, *_, out = _conv_geometry(layer, x)
+    return x.shape[0] * math.prod(out), x.shape[1] * math.prod(kernel)
 
 
 def columns_at(layer: Layer, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ strided, padded, dilated and grouped convs, whether the input is unfolded
 whole, a sample at a time, or in chunks of several samples (as many whole
 samples as the unfold budget holds, sized by ATen's output); columns_at
 gathers the same columns at any output positions without unfolding, and
-column_count counts ATen's output positions; the second moment
+column_layout counts ATen's output positions and a column's values; the second moment
 InputStatistics accumulates over chunks matches one computed here from
 F.unfold of the whole input."""
 
@@ -71,15 +71,15 @@ def test_second_moment_matches_unfold_of_the_whole_input(monkeypatch):
 @pytest.mark.parametrize("name", CONVS)
 def test_columns_at_positions_are_those_of_the_unfold(name):
     """columns_at gathers, at any output positions, the columns input_columns
-    unfolds there; column_count is the number of ATen's output positions."""
+    unfolds there; column_layout gives the number of ATen's output positions."""
     cin, cout, k, stride, padding, dilation, groups = CONVS[name]
     torch.manual_seed(0)
     conv = nn.Conv2d(cin, cout, k, stride, padding, dilation, groups, bias=False)
     x = torch.randn(3, cin, 9, 11)
     layer = _layer(conv, x)
     every = torch.cat(list(statistics.input_columns(layer, x)), dim=-1)
-    count = statistics.column_count(layer, x)
-    assert count == conv(x)[:, 0].numel() == every.shape[-1]
+    count, values = statistics.column_layout(layer, x)
+    assert count == conv(x)[:, 0].numel() == every.shape[-1] and values == cin * k * k == every[..., 0].numel()
     index = torch.randperm(count, generator=torch.Generator().manual_seed(1))[:37]
     torch.testing.assert_close(statistics.columns_at(layer, x, index), every[..., index], rtol=0, atol=0)
 
@@ -89,7 +89,7 @@ def test_linear_columns_at_positions_are_its_rows():
     linear = nn.Linear(6, 4)
     x = torch.randn(2, 5, 6)
     layer = _layer(linear, x)
-    assert statistics.column_count(layer, x) == 10
+    assert statistics.column_layout(layer, x) == (10, 6)
     index = torch.tensor([7, 0, 3])
     torch.testing.assert_close(statistics.columns_at(layer, x, index), x.reshape(10, 6)[index].T.unsqueeze(0),
                                rtol=0, atol=0)
