@@ -55,12 +55,14 @@ def _channel_axis(layer: _layers.Layer, y: torch.Tensor) -> int:
 
 
 def _channel_sums(values: list, axis: int) -> torch.Tensor:
-    """Per-channel sums over every other dimension of every tensor, float64."""
-    total = None
-    for v in values:
-        s = v.double().transpose(0, axis).reshape(v.shape[axis], -1).sum(-1)
-        total = s if total is None else total + s
-    return total
+    """Per-channel sums over every other dimension of every tensor, accumulated in float64."""
+    dims = [d for d in range(values[0].dim()) if d != axis]
+    return sum(v.sum(dims, dtype=torch.float64) for v in values)
+
+
+def _power(values) -> float:
+    """The sum of squares of every tensor, accumulated in float64 (no float64 copy of a tensor)."""
+    return sum(torch.linalg.vector_norm(v, dtype=torch.float64).item() ** 2 for v in values)
 
 
 def correct_activation_bias(prepared: torch.fx.GraphModule, batches: Iterable) -> list[LayerShift]:
@@ -154,14 +156,14 @@ def _correct(gm: torch.fx.GraphModule, layer: _layers.Layer, quantized: list, fl
     axis = _channel_axis(layer, quantized[0])
     count = sum(y.numel() // y.shape[axis] for y in quantized)
     delta = (_channel_sums(floating, axis) - _channel_sums(quantized, axis)) / count
-    signal = sum(y.double().pow(2).sum().item() for y in floating)
-    noise_before = sum((f.double() - q.double()).pow(2).sum().item() for f, q in zip(floating, quantized))
+    signal = _power(floating)
+    noise_before = _power(f - q for f, q in zip(floating, quantized))
     shape = [1] * quantized[0].dim()
     shape[axis] = -1
     step = delta.view(shape)
     for b, y in enumerate(quantized):
         quantized[b] = (y.double() + step).to(y.dtype)
-    noise_after = sum((f.double() - q.double()).pow(2).sum().item() for f, q in zip(floating, quantized))
+    noise_after = _power(f - q for f, q in zip(floating, quantized))
     _layers.add_to_bias(gm, layer, delta.float())
     rms = math.sqrt(signal / (count * delta.numel())) if signal > 0 else 1.0
     return LayerShift(layer.weight_name, _sqnr_db(signal, noise_before), _sqnr_db(signal, noise_after),

@@ -1,6 +1,7 @@
 """pt2e_fq.calib.activation_bias: after the correction, the last layer's
 mean output channel on the calibration batches equals the float model's
-(both models run directly), the user's model is unchanged, and misuse is
+(both models run directly) and its reported SQNR is the one computed from
+those outputs, the user's model is unchanged, and misuse is
 a clear error."""
 
 import pytest
@@ -59,6 +60,9 @@ def test_every_layer_output_mean_matches_the_float_model():
     err_after = (logits_after - logits_float).pow(2).mean()
     assert err_after < err_before
     assert shifts[-1].after_db > shifts[-1].before_db
+    # The last layer's reported SQNR after its correction is the corrected model's, run directly.
+    direct_db = 10 * torch.log10(logits_float.double().pow(2).sum() / (logits_float - logits_after).double().pow(2).sum())
+    assert shifts[-1].after_db == pytest.approx(direct_db.item(), abs=0.01)
     # The project conv had no bias: it got one, and the user's model is as it was.
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert model.project.bias is None
