@@ -572,7 +572,7 @@ def cmd_report(args) -> int:
             raise UsageError(f"--trusted-module: {module!r} is not a module name; give an exact dotted name "
                              "such as mypackage.outputs")
     example = example_inputs(args.example_input) if args.example_input else None
-    from ..export import UntrustedModuleError, load
+    from ..export import UnsafeArchiveError, UntrustedModuleError, load
     from ..report import report
 
     if not zipfile.is_zipfile(args.path):
@@ -585,6 +585,9 @@ def cmd_report(args) -> int:
     except UntrustedModuleError as e:
         raise UsageError(f"{args.path!r} takes or returns a {e.type_name}, whose module {e.module!r} is not "
                          f"trusted, so it was not imported; if you trust it, add --trusted-module {e.module}") from None
+    except UnsafeArchiveError as e:
+        raise UsageError(f"{args.path!r}: {e.member} {e.what}, which loading would run as code, so the file was not "
+                         "loaded") from None
     except Exception as e:  # not a torch.export archive, or from another torch
         raise UsageError(f"cannot load {args.path!r} as a torch.export program: "
                          f"{type(e).__name__}: {_first_line(e)}") from None

@@ -30,8 +30,9 @@ from .lowering import (
 from .onnx import OnnxCheck, OnnxMismatch, check_onnx, ort_session, to_onnx
 from .program import exported_program
 from .pt2 import TRUSTED_MODULES, UntrustedModuleError, load, save
+from .pt2_archive import UnsafeArchiveError
 
-__all__ = ["save", "load", "TRUSTED_MODULES", "UntrustedModuleError", "to_onnx", "check_onnx", "ort_session",
+__all__ = ["save", "load", "TRUSTED_MODULES", "UntrustedModuleError", "UnsafeArchiveError", "to_onnx", "check_onnx", "ort_session",
            "OnnxCheck", "OnnxMismatch", "fold_conv_bn", "exported_program",
            "to_qdq", "QdqSummary", "XNNPACK_FUSED_ACTIVATIONS", "UnsupportedPointError", "compile_x86", "check_lowered", "LoweredCheck",
            "to_executorch", "run_pte", "PteExport"]

@@ -6,7 +6,11 @@ which `import pt2e_fq` does; `load` is torch.export.load after that import
 and after importing the modules that register the program's input and
 output types (a transformers ModelOutput, say) as pytree nodes: only
 modules on TRUSTED_MODULES or named by the caller, never one because the
-file names it (importing a module runs its code).
+file names it (importing a module runs its code). Before torch reads the
+file, pt2_archive.check_archive refuses whatever torch.export.load would
+run as code (pickled payloads, compiled libraries, shape expressions that
+are not symbolic sizes, pytree contexts naming modules), and torch's
+verifier refuses a graph that calls anything but operators.
 The file is written atomically (files.py): a failed write leaves any file
 already at the path as it was.
 """
@@ -17,9 +21,7 @@ import contextlib
 import importlib
 import importlib.util
 import io
-import json
 import os
-import zipfile
 from collections.abc import Iterable
 from typing import Any, Iterator, Optional, Union
 
@@ -30,6 +32,7 @@ from ..eval_mode import check_eval_mode
 from ..files import atomic_write, check_writable
 from ..graph import check_finite_qparams
 from .program import exported_program
+from .pt2_archive import check_archive
 
 # The modules `load` imports when a file names a pytree type of theirs that
 # is not registered yet: exact names, each the home of transformers
@@ -126,6 +129,13 @@ def load(path: Union[str, os.PathLike], *, trusted_modules: Iterable[str] = ()) 
     UntrustedModuleError naming the type and the file, before anything is
     imported or loaded. So nothing the file names is executed unless you
     said so; importing the module yourself before load also does.
+    Nor is anything else in the file: a pickled weight, constant or sample
+    input, a TorchBind or opaque constant, compiled AOTInductor code, a
+    shape expression other than a symbolic size (torch evaluates them as
+    Python) or a pytree context naming a module is an UnsafeArchiveError
+    naming the member, before torch reads the file; a graph node calling
+    anything but an operator is refused by torch's verifier while loading.
+    pt2e_fq.save never writes any of them.
 
     Args:
         path: a `.pt2` file.
@@ -138,10 +148,11 @@ def load(path: Union[str, os.PathLike], *, trusted_modules: Iterable[str] = ()) 
     Raises:
         TypeError, ValueError: trusted_modules is not a list of dotted module names.
         UntrustedModuleError: the file names a type whose module is not trusted.
+        UnsafeArchiveError: the file holds something loading would run as code (a ValueError).
         ImportError: a trusted module cannot be imported, or does not register the type.
     """
     trusted = _trusted_modules(trusted_modules)
-    _register_archive_types(path, trusted)
+    _register_archive_types(path, check_archive(path), trusted)
     return torch.export.load(path)
 
 
@@ -213,44 +224,6 @@ def _importable(module: str) -> bool:
         return False
 
 
-def _archive_type_names(path) -> dict[str, str]:
-    """The serialized pytree type names in a .pt2 archive's module call
-    graphs, each with where it is first found ("<member>: <field>"): the
-    "type" of every node of each "in_spec" / "out_spec" (JSON strings in the
-    archive's models/*.json). A file that is not such an archive names none
-    (torch.export.load then says what is wrong)."""
-    if not zipfile.is_zipfile(path):
-        return {}
-    names: dict[str, str] = {}
-
-    def walk(value, member):
-        if isinstance(value, dict):
-            for key, item in value.items():
-                if key in ("in_spec", "out_spec") and isinstance(item, str):
-                    walk_spec(json.loads(item)[1], f"{member}: {key}")  # [protocol version, root node]
-                else:
-                    walk(item, member)
-        elif isinstance(value, list):
-            for item in value:
-                walk(item, member)
-
-    def walk_spec(node, where):
-        if node.get("type"):
-            names.setdefault(node["type"], where)
-        for child in node.get("children_spec", ()):
-            walk_spec(child, where)
-
-    with zipfile.ZipFile(path) as archive:
-        for member in archive.namelist():
-            if "/models/" in member and member.endswith(".json"):
-                try:
-                    walk(json.loads(archive.read(member)), member)
-                except (ValueError, TypeError, AttributeError, IndexError) as e:  # bad JSON, or a spec of another shape
-                    raise ValueError(f"load: {os.fspath(path)!r}: {member} is not a torch.export model description "
-                                     f"({type(e).__name__}: {e})") from None
-    return names
-
-
 def _is_dotted(name: str) -> bool:
     return all(part.isidentifier() for part in name.split("."))
 
@@ -267,11 +240,11 @@ def _trusted_modules(names: Iterable[str]) -> frozenset[str]:
     return TRUSTED_MODULES | frozenset(names)
 
 
-def _register_archive_types(path, trusted: frozenset[str]) -> None:
-    """Imports the trusted module of each type the file names that is not
-    registered yet; an UntrustedModuleError, before any import, for a
-    module that is not trusted."""
-    names = _archive_type_names(path)
+def _register_archive_types(path, names: dict[str, str], trusted: frozenset[str]) -> None:
+    """Imports the trusted module of each type the file names (`names`:
+    type name -> where in the file) that is not registered yet; an
+    UntrustedModuleError, before any import, for a module that is not
+    trusted."""
     missing = sorted(n for n in names if n not in pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE)
     for name in missing:
         module = name.rpartition(".")[0]
