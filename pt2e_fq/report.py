@@ -152,6 +152,9 @@ class Report:
     quantized_weight_bytes: float = 0.0
     quantized_weights: int = 0
     float_weight_ops: list[dict] = field(default_factory=list)
+    # The quantize / dequantize ops of a lowered program (to_qdq, to_executorch), which has no
+    # fake-quant points for a report to read: its summary must not say that nothing is quantized.
+    qdq_ops: int = 0
     # Per weight storage read by a point: the float bytes already taken off, so that a tensor
     # that several points read (tied weights, views) is taken off at most once.
     _replaced: dict = field(default_factory=dict, repr=False, compare=False)
@@ -215,6 +218,11 @@ class Report:
         """The weights line; it says so where nothing is quantized (a
         share of the float bytes only where some weight is)."""
         float_bytes = f"{self.float_weight_bytes:,} bytes in float"
+        if not self.rows and self.qdq_ops:
+            return (f"a lowered q/dq program ({self.qdq_ops} quantize / dequantize ops; weights: {float_bytes}, "
+                    "the quantized ones as integer constants): report reads fake-quant points, which lowering "
+                    "replaced, so it lists none; report the program saved before lowering (pt2e_fq.save of the "
+                    "converted model, `pt2e-fq quantize --out` without --target)")
         if not self.rows:
             return (f"no fake-quant points: nothing is quantized (weights: {float_bytes}); report a model from "
                     "prepare_pt2e / convert_pt2e, or a program saved from one")
@@ -224,6 +232,13 @@ class Report:
         if self.float_weight_bytes:  # weights may be constants, not parameters: then no share
             text += f" ({100 * self.quantized_weight_bytes / self.float_weight_bytes:.1f}%)"
         return text
+
+
+def _qdq_ops(gm: torch.fx.GraphModule) -> int:
+    """How many PT2E quantize / dequantize ops (quantized_decomposed, torchao) the graph calls."""
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function"
+               and getattr(n.target, "namespace", None) in ("quantized_decomposed", "torchao")
+               and "quantize" in getattr(n.target, "__name__", ""))
 
 
 def report(model, example_inputs=None, *, file=sys.stdout) -> Report:
@@ -267,6 +282,7 @@ def report(model, example_inputs=None, *, file=sys.stdout) -> Report:
     result = Report(float_weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()))
     result.quantized_weight_bytes = float(result.float_weight_bytes)
     result.float_weight_ops = float_weight_ops(model, set(nodes).__contains__)
+    result.qdq_ops = _qdq_ops(model)
     for node in nodes:
         name, m = node.target, model.get_submodule(node.target)
         spec = m.qspec
@@ -314,6 +330,7 @@ def _report_program(program: torch.export.ExportedProgram, example_inputs, file)
     result = Report(float_weight_bytes=sum(p.numel() * p.element_size() for p in gm.parameters()))
     result.quantized_weight_bytes = float(result.float_weight_bytes)
     result.float_weight_ops = float_weight_ops(gm, is_fake_quant_node)
+    result.qdq_ops = _qdq_ops(gm)
     for node, call in run.calls.items():
         func, op_args, out = call
         op_call = decode(func, op_args)
