@@ -195,6 +195,7 @@ def check_onnx(path: Union[str, os.PathLike], model, inputs, *, atol: Optional[f
 
     Raises:
         ImportError: the `onnx` extra is not installed.
+        ValueError: an input tensor has no element (an empty batch): nothing would be compared.
         OnnxMismatch: (an AssertionError) a point or an output differs beyond what is allowed;
             the message says where.
     """
