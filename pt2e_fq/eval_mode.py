@@ -7,7 +7,7 @@ touches (torchvision's MobileNetV3 and EfficientNet use 0.01 and 1e-3):
 prepare_qat_pt2e's conv-bn fusion, and move_exported_model_to_eval /
 move_exported_model_to_train. torchao's eval switch also rewrites only
 `aten.dropout`: a scaled_dot_product_attention with the dropout_p of a
-train-mode export, and stochastic depth's Bernoulli masks, stay random.
+train-mode export, and stochastic depth's random masks, stay random.
 
 So FakeQuantQuantizer records each batch norm's own values before the fusion
 (`record_batch_norms`, in `transform_for_annotation`) and writes them back
@@ -84,18 +84,88 @@ def sdpa_dropout_p(node: torch.fx.Node) -> float:
     return node.kwargs.get("dropout_p", node.args[_SDPA_DROPOUT_P] if len(node.args) > _SDPA_DROPOUT_P else 0.0)
 
 
-def random_masks(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
-    """Nodes whose value is computed from Bernoulli draws and scalars only
-    (stochastic depth's mask: empty -> bernoulli_ -> div_, and a fake-quant
-    point on it), not from the model's inputs or parameters."""
-    noise = set()
+# Uniform draws in [0, 1): floor(keep + draw) is a 0/1 mask that is 1 with probability keep
+# (DropPath in transformers and older timm: x.div(keep) * floor(keep + rand)).
+UNIFORM_DRAWS = (aten.rand, aten.rand_like, aten.uniform, aten.uniform_)
+FLOORS = frozenset((aten.floor.default, aten.floor_.default))
+_ADDS = frozenset((aten.add.Tensor, aten.add_.Tensor))
+
+
+def _noise(gm: torch.fx.GraphModule) -> tuple[set[torch.fx.Node], set[torch.fx.Node]]:
+    """(masks, draws): masks are the nodes computed from Bernoulli draws, or
+    from the floor of uniform draws, and scalars only; draws the uniform
+    draws and what is computed from them alone before a floor makes a mask.
+    A uniform draw used otherwise is not a mask: nothing says that the model
+    does not mean it in eval mode."""
+    masks, draws = set(), set()
     for n in gm.graph.nodes:
         tensors = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor) or a.op == "get_attr"]
-        if n.op == "call_function" and getattr(n.target, "overloadpacket", None) in (aten.bernoulli, aten.bernoulli_):
-            noise.add(n)
-        elif n.op in ("call_function", "call_module") and tensors and all(a in noise for a in tensors):
-            noise.add(n)
-    return noise
+        packet = getattr(n.target, "overloadpacket", None)
+        if n.op == "call_function" and packet in (aten.bernoulli, aten.bernoulli_):
+            masks.add(n)
+        elif n.op == "call_function" and packet in UNIFORM_DRAWS:
+            draws.add(n)
+        elif n.target in FLOORS and tensors and all(a in draws for a in tensors):
+            masks.add(n)
+        elif n.op in ("call_function", "call_module") and tensors and all(a in masks for a in tensors):
+            masks.add(n)
+        elif n.op in ("call_function", "call_module") and tensors and all(a in draws for a in tensors):
+            draws.add(n)
+    return masks, draws
+
+
+def random_masks(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """Nodes whose value is a random mask computed from Bernoulli draws, or
+    from the floor of uniform draws, and scalars only (stochastic depth's
+    mask: empty -> bernoulli_ -> div_, or floor(keep + rand); and a
+    fake-quant point on it), not from the model's inputs or parameters."""
+    return _noise(gm)[0]
+
+
+def random_draws(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """The uniform draws, and the nodes computed from them alone, that the
+    floor of a mask reads."""
+    return _noise(gm)[1]
+
+
+def floor_mask_keep(mask: torch.fx.Node) -> Optional[float]:
+    """keep where `mask` is floor(keep + draw) of one uniform draw and a
+    Python number keep (a 0/1 mask, 1 with probability keep), else None."""
+    if mask.target not in FLOORS or not isinstance(mask.args[0], torch.fx.Node) or mask.args[0].target not in _ADDS:
+        return None
+    a, b = mask.args[0].args[:2]
+    draw, keep = (a, b) if isinstance(a, torch.fx.Node) else (b, a)
+    if not isinstance(draw, torch.fx.Node) or getattr(draw.target, "overloadpacket", None) not in UNIFORM_DRAWS:
+        return None
+    return float(keep) if isinstance(keep, (int, float)) and not isinstance(keep, bool) else None
+
+
+def eval_value_of_masked_product(product: torch.fx.Node, masks: set[torch.fx.Node]) -> Optional[torch.fx.Node]:
+    """What a product of a tensor with a random mask is in eval mode, where
+    it can be told safely, else None:
+
+    - a Bernoulli mask (scaled by 1 / keep or not, as torchvision and timm
+      build it): the other factor x, what those modules return in eval mode;
+    - a 0/1 mask floor(keep + rand) times x.div(keep) (transformers'
+      DropPath): x itself, not x / keep (the scaling sits on the other
+      factor). Any other factor with such a mask is left: its eval value is
+      not known here."""
+    a, b = product.args[:2]
+    mask, other = (a, b) if a in masks else (b, a)
+    ancestry, todo = set(), [mask]
+    while todo:
+        n = todo.pop()
+        if n not in ancestry:
+            ancestry.add(n)
+            todo += [i for i in n.all_input_nodes if i in masks]
+    if not any(n.target in FLOORS for n in ancestry):
+        return other
+    keep = floor_mask_keep(mask)
+    if (keep is not None and isinstance(other, torch.fx.Node) and other.target is aten.div.Tensor
+            and isinstance(other.args[0], torch.fx.Node) and isinstance(other.args[1], (int, float))
+            and float(other.args[1]) == keep):
+        return other.args[0]
+    return None  # a 0/1 mask scaled or transformed otherwise: its eval value is not known here
 
 
 def masked_products(gm: torch.fx.GraphModule, noise: set[torch.fx.Node]) -> list[torch.fx.Node]:

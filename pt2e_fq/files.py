@@ -14,6 +14,7 @@ import contextlib
 import os
 import secrets
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Iterator, Union
@@ -25,20 +26,50 @@ class WriteError(OSError):
     """A file could not be written; whatever was at its path is unchanged."""
 
 
+# The longest file name when the file system does not say (Linux, macOS and Windows file systems).
+_DEFAULT_NAME_MAX = 255
+# What the temporary name adds around the target's name: "." and ".{12 hex digits}.tmp".
+_TEMPORARY_AFFIXES = len(".") + len(".") + 12 + len(".tmp")
+
+
+def _name_max(folder: Path) -> int:
+    """The longest file name, in bytes, that `folder` takes."""
+    try:
+        longest = os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):  # no pathconf (Windows), or the file system does not say
+        return _DEFAULT_NAME_MAX
+    return longest if longest > 0 else sys.maxsize  # -1: no limit
+
+
 def check_writable(path: PathLike) -> Path:
     """The path a file can be written to, with symbolic links resolved (so a
     write replaces the file a link points to, not the link); a WriteError,
-    before any work, when it names a folder or its folder is missing or not
-    writable."""
+    before any work, when it names a folder, its folder is missing or not
+    writable, or its file name is longer than the folder takes."""
     target = Path(os.path.realpath(path))
+    folder = target.parent
+    # First: the file system refuses to even look up a name too long (is_dir raises ENAMETOOLONG).
+    length, longest = len(os.fsencode(target.name)), _name_max(folder)
+    if length > longest:
+        raise WriteError(f"cannot write {os.fspath(path)!r}: the file name is {length} bytes long, the folder "
+                         f"takes names of at most {longest} bytes; give a shorter name")
     if target.is_dir():
         raise WriteError(f"cannot write {os.fspath(path)!r}: it is a folder; give a file name")
-    folder = target.parent
     if not folder.is_dir():
         raise WriteError(f"cannot write {os.fspath(path)!r}: no folder {str(folder)!r}; create it first")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise WriteError(f"cannot write {os.fspath(path)!r}: the folder {str(folder)!r} is not writable")
     return target
+
+
+def _temporary_name(name: str, longest: int) -> str:
+    """`.{name}.{12 random hex digits}.tmp`, the name cut short (whole
+    characters) so that the whole fits in `longest` bytes: a valid target
+    name close to the limit must not make the temporary one invalid."""
+    room = max(longest - _TEMPORARY_AFFIXES, 1)
+    while len(os.fsencode(name)) > room:
+        name = name[:-1]
+    return f".{name}.{secrets.token_hex(6)}.tmp"
 
 
 @contextlib.contextmanager
@@ -55,11 +86,12 @@ def atomic_write(path: PathLike) -> Iterator[Path]:
     target = check_writable(path)
     special = target.exists() and not target.is_file()
     folder = Path(tempfile.gettempdir()) if special else target.parent
-    temporary = folder / f".{target.name}.{secrets.token_hex(6)}.tmp"
+    temporary = folder / _temporary_name(target.name, _name_max(folder))
+    created = False
     try:
         # Mode "x": a new file with the umask's permissions (mkstemp's are 0600).
         with open(temporary, "xb"):
-            pass
+            created = True
         yield temporary
         with open(temporary, "rb+") as f:
             os.fsync(f.fileno())  # the content is on disk before the name points at it
@@ -74,8 +106,11 @@ def atomic_write(path: PathLike) -> Iterator[Path]:
         kept = "; the file already there is unchanged" if target.is_file() else ""
         raise WriteError(f"cannot write {os.fspath(path)!r}: {e.strerror or e}{kept}") from e
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            temporary.unlink()
+        # Never another's file (the "x" open failed), and never an error of its own: a failed
+        # clean-up must not replace the error that got here, nor fail a write that is done.
+        if created:
+            with contextlib.suppress(OSError):
+                temporary.unlink()
 
 
 def write_bytes(path: PathLike, data: bytes) -> None:

@@ -11,7 +11,7 @@ the stock flow needs, and the end of QAT.
 
 - `move_exported_model_to_eval`: batch norms keep their own momentum and eps,
   and the train-only randomness of a train-mode export (dropouts, SDPA's
-  dropout_p, stochastic depth's Bernoulli masks) is removed.
+  dropout_p, stochastic depth's random masks) is removed.
 - `convert_pt2e`: torchao's convert_pt2e; where every point is a pt2e_fq
   FakeQuantize it skips torchao's QAT conv-bn fold, which matches only
   torchao's own quantize/dequantize patterns (none in such a graph) and
@@ -35,8 +35,8 @@ from torchao.quantization.pt2e import qat_utils
 from torchao.quantization.pt2e.export_utils import _EXPORTED_TRAINING_ATTR
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e as _torchao_convert_pt2e
 
-from .eval_mode import (BATCH_NORM, DROPOUTS, SDPA, _SDPA_DROPOUT_P, masked_products, random_masks,
-                        restore_batch_norms, sdpa_dropout_p)
+from .eval_mode import (BATCH_NORM, DROPOUTS, SDPA, _SDPA_DROPOUT_P, eval_value_of_masked_product, masked_products,
+                        random_draws, random_masks, restore_batch_norms, sdpa_dropout_p)
 from .fake_quantize import FakeQuantize
 from .graph import as_args
 
@@ -100,8 +100,12 @@ def move_exported_model_to_eval(model: torch.fx.GraphModule) -> torch.fx.GraphMo
     - dropouts become the identity; a scaled_dot_product_attention with the
       dropout_p of a train-mode export gets dropout_p 0.0;
     - a product with a random Bernoulli mask (stochastic depth / DropPath in
-      torchvision, timm and transformers: x * bernoulli(keep) / keep) becomes
-      its other factor x, what those modules return in eval mode;
+      torchvision and timm: x * bernoulli(keep) / keep) becomes its other
+      factor x, and x.div(keep) * floor(keep + rand) (DropPath in
+      transformers and older timm) becomes x: what those modules return in
+      eval mode. A product with a mask built from the floor of uniform
+      draws in any other way is left (and named in the warning below):
+      convert_pt2e, `save` and `to_onnx` refuse the model;
     - any other random op is left and named in a warning: nothing tells
       whether the model means it in eval mode.
 
@@ -134,19 +138,23 @@ def move_exported_model_to_eval(model: torch.fx.GraphModule) -> torch.fx.GraphMo
             else:
                 n.update_arg(_SDPA_DROPOUT_P, 0.0)
     noise = random_masks(model)
+    removable = noise | random_draws(model)
     for n in masked_products(model, noise):
-        n.replace_all_uses_with(n.args[1] if n.args[0] in noise else n.args[0])
-        noise.add(n)
-    # In-place draws (bernoulli_, div_) count as side effects for plain dead-code elimination.
-    graph.eliminate_dead_code(is_impure_node=lambda n: n not in noise and n.is_impure())
+        value = eval_value_of_masked_product(n, noise)
+        if value is not None:  # else left: the warning below names it, convert and save refuse it
+            n.replace_all_uses_with(value)
+            removable.add(n)
+    # In-place draws (bernoulli_, uniform_, floor_, div_) count as side effects for plain dead-code elimination.
+    graph.eliminate_dead_code(is_impure_node=lambda n: n not in removable and n.is_impure())
     model.delete_all_unused_submodules()
     model.recompile()
     left = [n for n in graph.nodes if _is_random(n)]
     if left:
         where = ", ".join(f"{n.name} ({n.target}) in {_module_text(n)}" for n in left)
         warnings.warn(f"move_exported_model_to_eval: {len(left)} random op(s) stay in the eval-mode graph, so its "
-                      f"outputs are random: {where}; only dropouts, SDPA's dropout_p and Bernoulli masks multiplied "
-                      "into a tensor (stochastic depth) are recognised as train-only", stacklevel=2)
+                      f"outputs are random: {where}; only dropouts, SDPA's dropout_p, Bernoulli masks multiplied "
+                      "into a tensor and x.div(keep) * floor(keep + rand) (stochastic depth) are recognised as "
+                      "train-only", stacklevel=2)
     setattr(model, _EXPORTED_TRAINING_ATTR, False)
     return model
 

@@ -14,7 +14,10 @@ for deployment when its training data and labels are not at hand.
 - `loss`: "kl" for classifier logits (KL(teacher || student) of the
   softmaxes at `temperature`, times temperature², Hinton et al.), "mse" for
   embeddings or any output, "cosine" (1 - cosine similarity along the last
-  axis) for embeddings whose direction is what counts, or a callable;
+  axis) for embeddings whose direction is what counts, or a callable; a
+  model returning several tensors (a tuple, a dict, a ModelOutput) is
+  scored by the mean of the built-in loss over its floating-point tensor
+  outputs, paired by position (a callable gets the outputs as they are);
 - `intermediate`: module paths (the student is an export of the teacher, so
   the same paths name the same layers) whose outputs are matched too (mean
   squared error, weighted `intermediate_weight`);
@@ -47,6 +50,7 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 import torchao.quantization.pt2e as tao
+from torch.utils._pytree import tree_flatten
 from tqdm import tqdm
 
 from .eval_mode import BATCH_NORM
@@ -248,7 +252,7 @@ def output_error(student: torch.nn.Module, teacher: torch.nn.Module, batches: Se
         raise ValueError(f"output_error: loss must be one of {', '.join(LOSSES)} or a callable, got {loss!r}")
     if len(batches) == 0:
         raise ValueError("output_error: batches holds no batch")
-    score, was_training = _output_loss(loss, temperature), teacher.training
+    score, was_training = _output_loss(loss, temperature, "output_error"), teacher.training
     teacher.eval()
     try:
         with torch.no_grad():
@@ -257,14 +261,39 @@ def output_error(student: torch.nn.Module, teacher: torch.nn.Module, batches: Se
         teacher.train(was_training)
 
 
-def _output_loss(loss: Union[str, Callable], temperature: float) -> Callable:
+def _output_loss(loss: Union[str, Callable], temperature: float, where: str) -> Callable:
+    """The loss of a student's output against the teacher's. A built-in
+    loss takes the mean over the floating-point tensors of the two outputs
+    (a tensor, or a tuple, list, dict or ModelOutput of them), paired by
+    position: the mean, so that a one-tensor output scores as the tensor
+    does and the loss's scale does not grow with the number of outputs."""
     if callable(loss):
         return loss
     if loss == "kl":
-        return lambda s, t: _kl(s, t, temperature)
-    if loss == "mse":
-        return lambda s, t: F.mse_loss(s.float(), t.float())
-    return lambda s, t: (1 - F.cosine_similarity(s.float(), t.float(), dim=-1)).mean()
+        one = lambda s, t: _kl(s, t, temperature)  # noqa: E731
+    elif loss == "mse":
+        one = lambda s, t: F.mse_loss(s.float(), t.float())  # noqa: E731
+    else:
+        one = lambda s, t: (1 - F.cosine_similarity(s.float(), t.float(), dim=-1)).mean()  # noqa: E731
+
+    def over_outputs(student_out, teacher_out):
+        if isinstance(student_out, torch.Tensor) and isinstance(teacher_out, torch.Tensor):
+            return one(student_out, teacher_out)
+        s_leaves, s_spec = tree_flatten(student_out)
+        t_leaves, t_spec = tree_flatten(teacher_out)
+        if s_spec != t_spec:
+            raise ValueError(f"{where}: loss {loss!r} pairs the student's outputs with the teacher's, but they "
+                             f"differ in structure (student {type(student_out).__name__} of {len(s_leaves)}, "
+                             f"teacher {type(teacher_out).__name__} of {len(t_leaves)}); pass loss=callable(student, "
+                             "teacher) -> scalar")
+        pairs = [(a, b) for a, b in zip(s_leaves, t_leaves) if isinstance(a, torch.Tensor)
+                 and isinstance(b, torch.Tensor) and a.is_floating_point() and b.is_floating_point()]
+        if not pairs:
+            raise ValueError(f"{where}: loss {loss!r} compares floating-point tensors, and the model returns none "
+                             f"(a {type(teacher_out).__name__}); pass loss=callable(student, teacher) -> scalar")
+        return sum(one(a, b) for a, b in pairs) / len(pairs)
+
+    return over_outputs
 
 
 def _module_outputs(student: torch.fx.GraphModule, paths: Sequence[str]) -> dict[str, torch.fx.Node]:
@@ -339,7 +368,7 @@ def _better(value: float, best: float, keep_best: str) -> bool:
     return value > best if keep_best == "max" else value < best
 
 
-def _check_args(student, teacher, steps, loss, temperature, intermediate_weight, eval_every) -> None:
+def _check_args(student, teacher, steps, loss, temperature, intermediate_weight, eval_every, lr, qparam_lr) -> None:
     if not isinstance(student, torch.fx.GraphModule):
         raise TypeError(f"distill: student must be the GraphModule of prepare_qat_pt2e / prepare_pt2e, got "
                         f"{type(student).__name__}")
@@ -355,6 +384,10 @@ def _check_args(student, teacher, steps, loss, temperature, intermediate_weight,
         raise ValueError(f"distill: temperature must be a finite number > 0, got {temperature!r}")
     if not isinstance(intermediate_weight, (int, float)) or not intermediate_weight >= 0:
         raise ValueError(f"distill: intermediate_weight must be a number >= 0, got {intermediate_weight!r}")
+    for name, value in (("lr", lr), ("qparam_lr", qparam_lr)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not (math.isfinite(value) and value >= 0)):
+            raise ValueError(f"distill: {name} must be a finite number >= 0 (a learning rate), got {value!r}")
     _check_step_count("eval_every", eval_every)
     if eval_every == 0:
         raise ValueError("distill: eval_every must be >= 1 or None, got 0")
@@ -413,12 +446,14 @@ def distill(
             cycled until `steps`; or a callable from the epoch number to such
             a sequence (to reshuffle or redraw).
         steps: optimizer steps.
-        loss: "kl", "mse", "cosine" or callable(student_output, teacher_output) -> scalar.
+        loss: "kl", "mse", "cosine" or callable(student_output, teacher_output) -> scalar;
+            a built-in loss over several outputs (tuple, dict, ModelOutput) is the mean over
+            their floating-point tensors.
         temperature: the softmax temperature of "kl".
         optimizer: the optimizer to step; None: Adam over the weights and
             biases at `lr` and the learnable qparams at `qparam_lr`.
-        lr: the weights' learning rate of the default optimizer.
-        qparam_lr: the learnable qparams' learning rate (None: `lr`).
+        lr: the weights' learning rate of the default optimizer, a finite number >= 0.
+        qparam_lr: the learnable qparams' learning rate (None: `lr`), a finite number >= 0.
         cosine_schedule: with the default optimizer, learning rates decay to
             0 along a half cosine over `steps`.
         intermediate: module paths whose outputs are matched as well (mean squared error).
@@ -446,7 +481,7 @@ def distill(
         ValueError: a bad argument (the message names it and what is allowed).
         TrainingDiverged: the loss or a parameter became NaN or infinite.
     """
-    _check_args(student, teacher, steps, loss, temperature, intermediate_weight, eval_every)
+    _check_args(student, teacher, steps, loss, temperature, intermediate_weight, eval_every, lr, qparam_lr)
     if keep_best not in KEEP_BEST:
         raise ValueError(f"distill: keep_best must be one of {', '.join(map(repr, KEEP_BEST))}, got {keep_best!r}")
     if keep_best is not None and evaluate is None:
@@ -468,7 +503,7 @@ def distill(
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps) if cosine_schedule else None
     else:
         schedule = None
-    output_loss = _output_loss(loss, temperature)
+    output_loss = _output_loss(loss, temperature, desc)
     history = History()
     teacher_was_training = teacher.training
     teacher.eval()
@@ -506,6 +541,9 @@ def distill(
                     epoch, position = epoch + 1, 0
                     if callable(batches):
                         epoch_batches = batches(epoch)
+                        if len(epoch_batches) == 0:
+                            raise ValueError(f"{desc}: batches({epoch}) returned no batch; the batches callable "
+                                             "must give at least one batch for every epoch")
                 inputs = as_args(epoch_batches[position])
                 position += 1
                 if augment is not None:

@@ -9,7 +9,9 @@ weight / output of which op), format, granularity, scale and zero-point
 ranges, the share of elements clipped (from the op's clamp mask), the SQNR
 of the fake-quantized tensor against its float input (over its finite
 elements) and how many NaN / Inf values the point's observer ignored while
-calibrating. A summary compares the float and quantized weight bytes; above
+calibrating. A summary compares the float and quantized weight bytes (a
+tensor several points read, tied weights, counts its float bytes once and
+each point's quantized copy); above
 it, a warning names every op that reads a weight (a parameter of two or more
 dimensions) with no fake-quant point on it: weights that stayed float.
 
@@ -56,6 +58,15 @@ from .spec.granularity import PerBlock, PerChannel, PerGroup, PerTensor
 from .spec.schemes import Formulation
 
 
+def _storage(t) -> Optional[tuple[int, int]]:
+    """(address, bytes) of the storage a tensor views: what tells that two
+    points read the same weight (tied weights, or views of one tensor)."""
+    if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+        return None
+    storage = t.untyped_storage()
+    return (storage.data_ptr(), storage.nbytes()) if storage.data_ptr() else None
+
+
 def _copy(value):
     """A copy of every tensor in `value`: a later in-place op of the model
     (`out += x`, `relu_`) would change what was recorded by reference."""
@@ -84,12 +95,13 @@ class _Run(torch.fx.Interpreter):
 
     def __init__(self, gm, points: set, calls: _OpCalls):
         super().__init__(gm)
-        self.points, self.calls, self.inputs = points, calls, {}
+        self.points, self.calls, self.inputs, self.storages = points, calls, {}, {}
 
     def call_module(self, target, args, kwargs):
         if target not in self.points:
             return super().call_module(target, args, kwargs)
         self.inputs[target] = _copy(args[0])
+        self.storages[target] = _storage(args[0])
         self.calls.current = target
         try:
             return super().call_module(target, args, kwargs)
@@ -140,14 +152,22 @@ class Report:
     quantized_weight_bytes: float = 0.0
     quantized_weights: int = 0
     float_weight_ops: list[dict] = field(default_factory=list)
+    # The quantize / dequantize ops of a lowered program (to_qdq, to_executorch), which has no
+    # fake-quant points for a report to read: its summary must not say that nothing is quantized.
+    qdq_ops: int = 0
+    # Per weight storage read by a point: the float bytes already taken off, so that a tensor
+    # that several points read (tied weights, views) is taken off at most once.
+    _replaced: dict = field(default_factory=dict, repr=False, compare=False)
 
     def add(self, point: str, module_and_role: tuple[str, str], fmt: str, granularity: str, bits: float,
             call: Optional[tuple], x: Optional[torch.Tensor], nonfinite: Optional[int] = None,
-            scale_bits: Optional[int] = None) -> None:
+            scale_bits: Optional[int] = None, storage: Optional[tuple[int, int]] = None) -> None:
         """One row, from the point's op call (op, arguments, outputs) on its
         input x; call None: the point did not run. scale_bits: the width
         the point stores its scale at (QSpec.scale_dtype), where known;
-        None: fp32, all an op call tells."""
+        None: fp32, all an op call tells. storage: (address, bytes) of the
+        storage x views in the model, where known: a weight's float bytes
+        are taken off once per storage, each point's quantized copy added."""
         module, what = module_and_role
         row = dict(point=point, module=module, role=what, format=fmt, granularity=granularity,
                    scale=None, zero_point=None, minval=None, clipped=None, sqnr_db=None, nonfinite=nonfinite)
@@ -165,7 +185,12 @@ class Report:
             row["sqnr_db"] = sqnr_db(x, y)
             if what.startswith(("weight", "bias")):
                 self.quantized_weights += 1
-                self.quantized_weight_bytes += _bytes(x, bits) + qparam_bytes - x.numel() * x.element_size()
+                float_bytes = x.numel() * x.element_size()
+                if storage is not None:
+                    done = self._replaced.get(storage, 0)
+                    float_bytes = min(float_bytes, storage[1] - done)
+                    self._replaced[storage] = done + float_bytes
+                self.quantized_weight_bytes += _bytes(x, bits) + qparam_bytes - float_bytes
         self.rows.append(row)
 
     def table(self) -> str:
@@ -193,6 +218,11 @@ class Report:
         """The weights line; it says so where nothing is quantized (a
         share of the float bytes only where some weight is)."""
         float_bytes = f"{self.float_weight_bytes:,} bytes in float"
+        if not self.rows and self.qdq_ops:
+            return (f"a lowered q/dq program ({self.qdq_ops} quantize / dequantize ops; weights: {float_bytes}, "
+                    "the quantized ones as integer constants): report reads fake-quant points, which lowering "
+                    "replaced, so it lists none; report the program saved before lowering (pt2e_fq.save of the "
+                    "converted model, `pt2e-fq quantize --out` without --target)")
         if not self.rows:
             return (f"no fake-quant points: nothing is quantized (weights: {float_bytes}); report a model from "
                     "prepare_pt2e / convert_pt2e, or a program saved from one")
@@ -202,6 +232,13 @@ class Report:
         if self.float_weight_bytes:  # weights may be constants, not parameters: then no share
             text += f" ({100 * self.quantized_weight_bytes / self.float_weight_bytes:.1f}%)"
         return text
+
+
+def _qdq_ops(gm: torch.fx.GraphModule) -> int:
+    """How many PT2E quantize / dequantize ops (quantized_decomposed, torchao) the graph calls."""
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function"
+               and getattr(n.target, "namespace", None) in ("quantized_decomposed", "torchao")
+               and "quantize" in getattr(n.target, "__name__", ""))
 
 
 def report(model, example_inputs=None, *, file=sys.stdout) -> Report:
@@ -245,13 +282,14 @@ def report(model, example_inputs=None, *, file=sys.stdout) -> Report:
     result = Report(float_weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()))
     result.quantized_weight_bytes = float(result.float_weight_bytes)
     result.float_weight_ops = float_weight_ops(model, set(nodes).__contains__)
+    result.qdq_ops = _qdq_ops(model)
     for node in nodes:
         name, m = node.target, model.get_submodule(node.target)
         spec = m.qspec
         x = run.inputs.get(name)
         call = calls.calls.get(name) if x is not None else None
         result.add(name, role(node), _format(spec), repr(spec.granularity) + (" dynamic" if spec.dynamic else ""),
-                   spec.format.bits, call, x, m.nonfinite_count, spec.scale_dtype.itemsize * 8)
+                   spec.format.bits, call, x, m.nonfinite_count, spec.scale_dtype.itemsize * 8, run.storages.get(name))
     if file is not None:
         print(result.table(), file=file)
     return result
@@ -264,6 +302,7 @@ class _ProgramRun(torch.fx.Interpreter):
     def __init__(self, gm):
         super().__init__(gm)
         self.calls: dict[torch.fx.Node, tuple] = {}
+        self.storages: dict[torch.fx.Node, Optional[tuple[int, int]]] = {}
 
     def run_node(self, n):
         out = super().run_node(n)
@@ -271,6 +310,7 @@ class _ProgramRun(torch.fx.Interpreter):
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             values = {**dict(zip([a.name for a in n.target._schema.arguments], args)), **kwargs}
             self.calls[n] = (n.target, _copy([values.get(a.name) for a in n.target._schema.arguments]), _copy(out))
+            self.storages[n] = _storage(args[0] if args else None)
         return out
 
 
@@ -290,13 +330,14 @@ def _report_program(program: torch.export.ExportedProgram, example_inputs, file)
     result = Report(float_weight_bytes=sum(p.numel() * p.element_size() for p in gm.parameters()))
     result.quantized_weight_bytes = float(result.float_weight_bytes)
     result.float_weight_ops = float_weight_ops(gm, is_fake_quant_node)
+    result.qdq_ops = _qdq_ops(gm)
     for node, call in run.calls.items():
         func, op_args, out = call
         op_call = decode(func, op_args)
         fmt_text, granularity = _describe(op_call, node)
         value = next((u for u in node.users if u.target is operator.getitem and u.args[1] == 0), node)
         result.add(point_name(node), point_role(node.args[0], value), fmt_text, granularity, op_call.format.bits, call,
-                   op_args[0])
+                   op_args[0], storage=run.storages.get(node))
     if file is not None:
         print(result.table(), file=file)
     return result

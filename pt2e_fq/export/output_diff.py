@@ -35,6 +35,15 @@ class OutputDiff:
     sqnr_db: float
 
     @property
+    def non_finite_mismatch(self) -> Optional[str]:
+        """The phrase saying that one side is NaN or infinite where the other
+        is a number (or another non-finite value), else None. sqnr_db skips
+        such elements, so every SQNR bound must be checked with this too."""
+        if math.isfinite(self.max_abs_diff):
+            return None
+        return f"output {self.index} is NaN or infinite where ours is a number, or the reverse"
+
+    @property
     def differing_share(self) -> float:
         return self.differing / self.numel if self.numel else 0.0
 
@@ -56,10 +65,11 @@ def _float64(a: ArrayLike) -> np.ndarray:
 
 def abs_diff(ours: ArrayLike, theirs: ArrayLike) -> np.ndarray:
     """|ours - theirs| per element in float64: 0 where equal (NaN and Inf
-    included), inf for NaN against a number."""
+    included), inf for NaN or Inf against a number (kept inf, not the
+    largest float that nan_to_num would make of it)."""
     a, b = _float64(ours), _float64(theirs)
     same = (a == b) | (np.isnan(a) & np.isnan(b))
-    return np.where(same, 0.0, np.nan_to_num(np.abs(a - b), nan=np.inf))
+    return np.where(same, 0.0, np.nan_to_num(np.abs(a - b), nan=np.inf, posinf=np.inf))
 
 
 def output_diff(index: int, ours: ArrayLike, theirs: ArrayLike, step: Optional[ArrayLike]) -> OutputDiff:

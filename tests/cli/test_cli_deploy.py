@@ -103,3 +103,19 @@ def test_a_preset_is_laid_out_for_the_target():
     assert config(preset="w4a8-dyn", pte="m.pte") == presets.get_preset("w4a8-dyn", target="xnnpack")
     assert config(preset="w4a8-dyn", pte="m.pte").global_config.weight.scale_dtype is torch.bfloat16
     assert config(preset="w8a8-dyn", target="xnnpack") == presets.get_preset("w8a8-dyn")
+
+
+def test_report_of_a_lowered_qdq_program_says_what_it_is(capsys, tmp_path):
+    """A q/dq program has quantize / dequantize ops where the fake-quant
+    program had points: the report must not say that nothing is quantized."""
+    lowered = tmp_path / "qdq.pt2"
+    rc, _, err = _main(capsys, *QUANTIZE, "--preset", "w8a8", "--out", str(lowered), "--target", "generic")
+    assert rc == 0, err
+    program = pt2e_fq.load(lowered)
+    qdq = [n for n in program.graph.nodes if n.op == "call_function" and str(n.target).startswith("quantized_decomposed.")]
+    assert qdq and any(v.dtype == torch.int8 for v in {**program.state_dict, **program.constants}.values())
+    rc, out, err = _main(capsys, "report", str(lowered))
+    assert rc == 0, err
+    assert "nothing is quantized" not in out
+    assert out.strip().splitlines()[-1].startswith(f"a lowered q/dq program ({len(qdq)} quantize / dequantize ops;")
+    assert "report the program saved before lowering" in out

@@ -32,7 +32,7 @@ from tests.models.quantizer import single_thread  # noqa: F401 (an autouse fixtu
 import pt2e_fq
 from pt2e_fq.cli import command, pipeline
 from pt2e_fq.export import to_onnx
-from pt2e_fq.files import WriteError
+from pt2e_fq.files import WriteError, write_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 OLD = b"a good file from an earlier run"
@@ -184,6 +184,47 @@ def test_a_folder_or_a_missing_folder_is_refused_before_the_export(writer, tmp_p
     with pytest.raises(WriteError, match=rf"^cannot write {str(missing)!r}: no folder {str(missing.parent)!r}; "
                                          "create it first$"):
         write(Unexportable(), (torch.randn(1),), missing)
+
+
+needs_name_max_255 = pytest.mark.skipif(os.pathconf("/tmp", "PC_NAME_MAX") != 255 if hasattr(os, "pathconf") else True,
+                                        reason="file names of other lengths on this system")
+
+
+@needs_name_max_255
+def test_a_file_name_near_the_limit_is_written_and_one_past_it_refused_first(converted, tmp_path):
+    """251 bytes is a valid name: the temporary file beside it must fit too.
+    256 bytes is refused before the export, naming the length."""
+    model, x = converted
+    path = _old_file(tmp_path / ("m" * 247 + ".pt2"))
+    pt2e_fq.save(model, (x,), path)
+    assert _entries(tmp_path) == {path.name}
+    with torch.no_grad():
+        assert torch.equal(pt2e_fq.load(path).module()(x), model(x))
+    write_bytes(tmp_path / ("é" * 125 + ".txt"), b"ok")  # 254 bytes in UTF-8, 129 characters
+    assert (tmp_path / ("é" * 125 + ".txt")).read_bytes() == b"ok"
+
+    class Unexportable(torch.nn.Module):
+        def forward(self, x):
+            return x.item()
+
+    too_long = tmp_path / ("m" * 252 + ".pt2")
+    with pytest.raises(WriteError, match=rf"^cannot write {str(too_long)!r}: the file name is 256 bytes long, the "
+                                         "folder takes names of at most 255 bytes; give a shorter name$"):
+        pt2e_fq.save(Unexportable(), (torch.randn(1),), too_long)
+
+
+def test_a_failed_clean_up_does_not_replace_the_write_error(converted, tmp_path, monkeypatch):
+    model, x = converted
+    path = _old_file(tmp_path / "model.pt2")
+    monkeypatch.setattr(torch.export, "save", _failing_writer(".pt2"))
+
+    def unlink_fails(self, missing_ok=False):
+        raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+
+    monkeypatch.setattr(Path, "unlink", unlink_fails)
+    with pytest.raises(WriteError, match=rf"^cannot write {str(path)!r}: {ENOSPC}; {KEPT}$"):
+        pt2e_fq.save(model, (x,), path)
+    assert path.read_bytes() == OLD
 
 
 def _run_cli(*args):

@@ -130,12 +130,13 @@ def test_min_sqnr_db_sets_the_bound(lowered):
         check_lowered(program, model, x, min_sqnr_db="30")
 
 
-def test_a_nan_where_ours_is_a_number_fails():
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+def test_a_nan_where_ours_is_a_number_fails(bad):
     model, x = _encoder_block(0)
 
     def nan_in_one_element(t):
         out = model(t).clone()
-        out[0, 0, 0] = float("nan")
+        out[0, 0, 0] = bad
         return out
 
     check = check_lowered(nan_in_one_element, model, x)

@@ -398,3 +398,70 @@ def test_a_weight_only_file_off_by_more_than_float_rounding_fails_against_float6
 def test_a_failed_check_is_an_onnx_mismatch_an_assertion_error():
     """Code that caught the AssertionError of a failed check still does."""
     assert issubclass(OnnxMismatch, AssertionError)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
+def test_a_non_finite_float_output_after_fused_integer_kernels_fails(tmp_path, monkeypatch, bad):
+    """The SQNR floor of a fused float output counts only the elements finite
+    on both sides: an element that ORT's optimised run makes NaN or infinite
+    where torch's is a number must fail on its own (as check_lowered does).
+    ORT's optimised session is wrapped so that it returns one such element."""
+    from pt2e_fq.export.onnx import check
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 16)
+    torch.manual_seed(0)
+    prepared = pipeline.prepare(MLP().eval(), (x,), "w8a8")
+    pipeline.calibrate(prepared, [x], progress=False)
+    converted = pipeline.convert(prepared)
+    path = tmp_path / "mlp.onnx"
+    to_onnx(converted, (x,), path)
+    assert check_onnx(path, converted, (x,)).optimized[0].max_steps is None  # a float output, fused kernels
+
+    real = check.ort_session
+
+    class OneBadElement:
+        def __init__(self, sess):
+            self.sess = sess
+
+        def get_inputs(self):
+            return self.sess.get_inputs()
+
+        def run(self, *args, **kwargs):
+            out = self.sess.run(*args, **kwargs)
+            y = out[0].copy()
+            y[3, 1] = bad
+            return [y] + out[1:]
+
+    monkeypatch.setattr(check, "ort_session",
+                        lambda p, optimized=True: OneBadElement(real(p, optimized)) if optimized else real(p, optimized))
+    with pytest.raises(OnnxMismatch, match="optimisations on, output 0 is NaN or infinite where ours is a number"):
+        check_onnx(path, converted, (x,))
+
+
+def test_an_empty_batch_is_refused_as_empty_not_as_another_models_file(tmp_path):
+    """A file with a dynamic batch runs an empty batch in ORT (an empty
+    output, as torch's); check_onnx has nothing to compare there and says so."""
+    from pt2e_fq.export import ort_session
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    dims = ({0: torch.export.Dim.AUTO},)
+    from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
+
+    import pt2e_fq
+    from quantizers import FakeQuantQuantizer
+
+    gm = torch.export.export(nn.Sequential(nn.Linear(8, 5)).eval(), (x,), dynamic_shapes=dims).module()
+    prepared = prepare_pt2e(gm, FakeQuantQuantizer(presets.get_preset("w8a8")))
+    prepared(x)
+    converted = pt2e_fq.convert_pt2e(prepared)
+    path = tmp_path / "dynamic.onnx"
+    to_onnx(converted, (x,), path, dynamic_shapes=dims)
+    check_onnx(path, converted, (x,))
+    empty = torch.randn(0, 8)
+    sess = ort_session(path)
+    assert sess.run(None, {sess.get_inputs()[0].name: empty.numpy()})[0].shape == (0, 5)
+    with pytest.raises(ValueError, match=r"^check_onnx: inputs: input 0 of shape \(0, 8\) has no element, so nothing "
+                                         r"would be compared; check with inputs of at least one element"):
+        check_onnx(path, converted, (empty,))

@@ -197,3 +197,40 @@ def test_activations_only_report_no_quantized_weights():
     assert result.rows and all(not r["role"].startswith("weight") for r in result.rows)
     float_bytes = (64 * 64 + 64 + 8 * 64 + 8) * 4
     assert out.getvalue().strip().splitlines()[-1] == f"weights: {float_bytes:,} bytes in float, none quantized (activations only)"
+
+
+class _TiedEmbeddingHead(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(128, 64)
+        self.head = torch.nn.Linear(64, 128, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+
+
+def test_a_weight_that_two_points_read_counts_its_float_bytes_once(tmp_path):
+    """A tied embedding and LM head, each reader with its own format: the
+    float tensor (128 x 64 fp32) is stored once and replaced by one
+    quantized copy per point."""
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    from quantizers import FakeQuantQuantizer, OpConfig, presets
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (2, 5))
+    config = presets.get_preset("w4a16")  # the embedding: int4, groups of 32 along the row, a scale and minval each
+    config.set_module_name("head", OpConfig(weight=presets.get_preset("w8a8").global_config.weight))  # int8 per row
+    gm = prepare_pt2e(torch.export.export(_TiedEmbeddingHead().eval(), (ids,)).module(), FakeQuantQuantizer(config))
+    gm(ids)
+    converted = convert_pt2e(gm)
+    int8_head = 128 * 64 + 128 * (4 + 1)  # int8 codes, an fp32 scale and an int8 zero point per row
+    int4_embedding = 128 * 64 // 2 + (128 * 64 // 32) * (4 + 4)  # int4 codes, an fp32 scale and minval per group
+    path = tmp_path / "tied.pt2"
+    torch.export.save(torch.export.export(converted, (ids,)), path)
+    for model, inputs in ((converted, (ids,)), (q.load(path), None)):
+        result = q.report(model, inputs, file=None)
+        assert sorted(r["role"] for r in result.rows) == ["weight of embedding", "weight of linear"]
+        assert result.float_weight_bytes == 128 * 64 * 4
+        assert result.quantized_weight_bytes == int8_head + int4_embedding

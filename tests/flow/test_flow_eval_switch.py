@@ -141,3 +141,88 @@ def test_convert_refuses_a_stochastic_depth_mask_left_by_torchao_s_switch():
     converted = pt2e_fq.convert_pt2e(pt2e_fq.move_exported_model_to_eval(prepared))
     with torch.no_grad():
         assert torch.equal(converted(x), converted(x))  # deterministic
+
+
+class TransformersDropPath(torch.nn.Module):
+    """transformers' ConvNextDropPath / SwinDropPath forward, verbatim: a 0/1
+    mask floor(keep + rand), the scaling on the other factor."""
+
+    def __init__(self, drop_prob):
+        super().__init__()
+        self.drop_prob = drop_prob
+
+    def forward(self, hidden_states):
+        if self.drop_prob == 0.0 or not self.training:
+            return hidden_states
+        keep_prob = 1 - self.drop_prob
+        shape = (hidden_states.shape[0],) + (1,) * (hidden_states.ndim - 1)
+        random_tensor = torch.rand(shape, dtype=hidden_states.dtype, device=hidden_states.device)
+        random_tensor = torch.floor(random_tensor + keep_prob)
+        return hidden_states.div(keep_prob) * random_tensor
+
+
+class OldTimmDropPath(torch.nn.Module):
+    """timm's drop_path before bernoulli_: keep + rand, floor_ in place."""
+
+    def forward(self, x):
+        if not self.training:
+            return x
+        keep_prob = 0.7
+        random_tensor = keep_prob + torch.rand((x.shape[0], 1), dtype=x.dtype, device=x.device)
+        random_tensor.floor_()
+        return x.div(keep_prob) * random_tensor
+
+
+class ScaledAfterDropPath(torch.nn.Module):
+    """A 0/1 mask with the scaling after the product: a form the switch does not rewrite."""
+
+    def forward(self, x):
+        if not self.training:
+            return x
+        return x * torch.floor(torch.rand((x.shape[0], 1)) + 0.7) / 0.7
+
+
+class Residual(torch.nn.Module):
+    def __init__(self, drop_path):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.drop_path = drop_path
+
+    def forward(self, x):
+        return x + self.drop_path(self.fc(x))
+
+
+@pytest.mark.parametrize("drop_path", [lambda: TransformersDropPath(0.5), lambda: TransformersDropPath(0.1),
+                                       OldTimmDropPath], ids=["transformers-0.5", "transformers-0.1", "old-timm"])
+def test_the_eval_switch_removes_a_floor_of_rand_drop_path(drop_path):
+    """The switched graph with its points off computes the float model in
+    eval mode (x, not x / keep: keep 0.9 does not round-trip exactly);
+    converted, it is deterministic."""
+    torch.manual_seed(0)
+    model = Residual(drop_path())
+    x = torch.randn(16, 8)
+    gm = torch.export.export(copy.deepcopy(model).train(), (x,)).module()
+    prepared = pt2e_fq.move_exported_model_to_eval(prepare_qat_pt2e(gm, quantizer()))
+    ops = {n.target for n in prepared.graph.nodes}
+    assert not ops & {torch.ops.aten.rand.default, torch.ops.aten.floor.default, torch.ops.aten.floor_.default}
+    prepared.apply(tao.disable_fake_quant)
+    with torch.no_grad():
+        torch.testing.assert_close(prepared(x), model.eval()(x), rtol=0, atol=0)
+    prepared.apply(tao.enable_fake_quant)
+    calibrate(prepared, [x])
+    converted = pt2e_fq.convert_pt2e(prepared)
+    with torch.no_grad():
+        assert torch.equal(converted(x), converted(x))
+
+
+def test_convert_and_save_refuse_a_floor_of_rand_mask_the_switch_cannot_rewrite(tmp_path):
+    x = torch.randn(4, 8)
+    gm = torch.export.export(Residual(ScaledAfterDropPath()).train(), (x,)).module()
+    prepared = prepare_qat_pt2e(gm, quantizer())
+    with pytest.warns(UserWarning, match=r"random op\(s\) stay in the eval-mode graph.*rand"):
+        pt2e_fq.move_exported_model_to_eval(prepared)
+    calibrate(prepared, [x])
+    with pytest.raises(ValueError, match=r"multiplies by a random mask \(stochastic depth\)"):
+        pt2e_fq.save(prepared, (x,), tmp_path / "m.pt2")
+    with pytest.raises(ValueError, match=r"multiplies by a random mask \(stochastic depth\)"):
+        pt2e_fq.convert_pt2e(prepared)

@@ -147,6 +147,9 @@ def test_learnable_presets_and_their_errors():
     (dict(eval_every=0), ValueError, "eval_every must be >= 1"),
     (dict(keep_best="best"), ValueError, "keep_best must be one of None, 'max', 'min', got 'best'"),
     (dict(keep_best="max"), ValueError, "keep_best='max' needs evaluate"),
+    (dict(lr=-1e-3), ValueError, r"lr must be a finite number >= 0 \(a learning rate\), got -0.001"),
+    (dict(lr=float("nan")), ValueError, "lr must be a finite number >= 0"),
+    (dict(qparam_lr=-1.0), ValueError, "qparam_lr must be a finite number >= 0"),
 ])
 def test_bad_arguments_give_one_line_errors(kwargs, error, match):
     torch.manual_seed(0)
@@ -408,3 +411,82 @@ def test_latent_weights_in_cells_keep_the_outputs_and_return_the_float_values():
         inside = own_cell & ((float_weight - grid).abs() < 0.48 * step)
         assert inside.any()
         assert torch.equal(latent[inside], float_weight[inside])
+
+
+def test_a_batches_callable_that_returns_no_batch_for_a_later_epoch_is_named():
+    torch.manual_seed(0)
+    teacher = ReluMLP()
+    data = _data(2, 1)
+    with pytest.raises(ValueError, match=r"batches\(1\) returned no batch; the batches callable must give at "
+                                         "least one batch for every epoch") as e:
+        qat.distill(_student(teacher), teacher, lambda epoch: data if epoch == 0 else [], steps=3, progress=False)
+    assert "\n" not in str(e.value)
+
+
+class _TwoHeads(torch.nn.Module):
+    """A tuple, a dict and an integer tensor in the output."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.cls, self.box = torch.nn.Linear(64, 32), torch.nn.Linear(32, 10), torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        logits = self.cls(h)
+        return logits, {"box": self.box(h), "label": logits.argmax(-1)}
+
+
+@pytest.mark.parametrize("loss", ["mse", "kl", "cosine"])
+def test_built_in_losses_on_several_outputs_are_the_mean_over_the_float_tensors(loss):
+    """output_error on a model returning (logits, {box, label}) against the
+    losses written out here, per float tensor, averaged over the two (the
+    integer labels left out); distill and pipeline.quantize's QAT run on it."""
+    torch.manual_seed(0)
+    teacher, student = _TwoHeads().eval(), _TwoHeads().eval()
+    batches = _data(2, 5)
+
+    def by_hand(s, t):
+        if loss == "mse":
+            return (s - t).square().mean()
+        if loss == "kl":
+            p, q = torch.softmax(t, -1), torch.softmax(s, -1)
+            return (p * (p.log() - q.log())).sum(-1).mean()
+        return (1 - (s * t).sum(-1) / (s.norm(dim=-1) * t.norm(dim=-1))).mean()
+
+    with torch.no_grad():
+        expected = sum(float(by_hand(student(x)[0], teacher(x)[0]) + by_hand(student(x)[1]["box"], teacher(x)[1]["box"]))
+                       / 2 for x in batches) / len(batches)
+    assert qat.output_error(student, teacher, batches, loss) == pytest.approx(expected, rel=1e-5)
+
+    prepared = pipeline.prepare(teacher, (batches[0],), "w8a8")
+    pipeline.calibrate(prepared, batches, progress=False)
+    history = qat.distill(prepared, teacher, batches, steps=2, loss=loss, progress=False)
+    assert len(history.losses) == 2 and all(v >= 0 for v in history.losses)
+    converted = pipeline.quantize(teacher, (batches[0],), "w8a8", calibration=batches, qat_steps=2, progress=False,
+                                  algorithms=False)
+    with torch.no_grad():
+        assert torch.equal(converted(batches[0])[1]["label"], converted(batches[0])[0].argmax(-1))
+
+
+class _Part(torch.nn.Module):
+    """One part of _TwoHeads' output: the logits alone, or the labels in a tuple."""
+
+    def __init__(self, model, part):
+        super().__init__()
+        self.model, self.part = model, part
+
+    def forward(self, x):
+        logits, rest = self.model(x)
+        return logits if self.part == "logits" else (rest["label"],)
+
+
+def test_a_built_in_loss_on_outputs_it_cannot_pair_names_loss():
+    torch.manual_seed(0)
+    teacher = _TwoHeads().eval()
+    x = _data(1, 5)
+    with pytest.raises(ValueError, match=r"output_error: loss 'mse' pairs the student's outputs with the teacher's, "
+                                         r"but they differ in structure.*pass loss=callable"):
+        qat.output_error(_Part(teacher, "logits"), teacher, x)
+    with pytest.raises(ValueError, match=r"output_error: loss 'mse' compares floating-point tensors, and the model "
+                                         "returns none"):
+        qat.output_error(_Part(teacher, "labels"), _Part(teacher, "labels"), x)

@@ -73,8 +73,8 @@ class LoweredCheck:
             if o.max_steps is not None:
                 if not o.max_steps <= _STEP_SLACK:
                     found.append(f"output {o.index} is up to {o.max_steps:.3g} quantization steps from ours (at most 1)")
-            elif not math.isfinite(o.max_abs_diff):
-                found.append(f"output {o.index} is NaN or infinite where ours is a number, or the reverse")
+            elif o.non_finite_mismatch is not None:
+                found.append(o.non_finite_mismatch)
             elif not o.sqnr_db >= self.min_sqnr_db:
                 found.append(f"output {o.index} has an SQNR of {o.sqnr_db:.1f} dB against ours "
                              f"(at least {self.min_sqnr_db:g} dB)")
