@@ -124,6 +124,11 @@ def _counted_weights(gm: GraphModule) -> dict[str, tuple[tuple, Optional[QSpec]]
         if not any(op_type(op) in COMPUTING_OP_TYPES for op in ops):
             continue
         points = [r for r in readers if is_point(r)]
+        if points:
+            # The QSpec is laid out as the tensor the point quantizes, which may be a relayout of the
+            # parameter (`x @ W.t()`: the point is on W.t()); the same elements in that shape.
+            val = points[0].args[0].meta.get("val")
+            shape = tuple(val.shape) if isinstance(val, torch.Tensor) else shape
         found[name] = (shape, gm.get_submodule(points[0].target).qspec if points else None)
     return found
 

@@ -209,3 +209,19 @@ def test_the_choice_is_the_exhaustive_searchs_best(seed, budget):
         assert noise <= min(sum(layers[f"l{i}"].noise[o] for i, o in enumerate(c)) for c in slack) + 1e-12
     assert noise >= best - 1e-12
     assert math.isclose(chosen.predicted_sqnr_db, -10 * math.log10(noise)) if noise > 0 else True
+
+
+def test_average_weight_bits_of_a_weight_read_through_a_view():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.W = nn.Parameter(torch.randn(32, 64))  # (out, in)
+
+        def forward(self, x):
+            return x @ self.W.t()
+
+    x = torch.randn(4, 64)
+    prepared = prepare_pt2e(torch.export.export(M().eval(), (x,)).module(),
+                            FakeQuantQuantizer(presets.get_preset("w8a8")))
+    # int8 codes plus one fp16 scale per output channel (32 of them) over 2048 weights.
+    assert mp.average_weight_bits(prepared) == 8 + 16 * 32 / 2048
