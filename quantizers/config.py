@@ -124,15 +124,25 @@ def _short_type_name(cls: type) -> str:
 def _import_module_type(where: str, name: str) -> type:
     """The class a module_type entry names. Its module is imported as
     written: a config is trusted input, like the code that loads it."""
-    module, _, attr = name.rpartition(".")
     if not all(part.isidentifier() for part in name.split(".")):
         # importlib takes a leading "." as a relative import and fails with a TypeError.
         raise ConfigError(f"{where}: {name!r} is not a dotted class name; write the module and the class, "
                           "e.g. torch.nn.Linear or mypackage.models.Block")
-    try:
-        cls = getattr(importlib.import_module(module), attr) if module else None
-    except (ImportError, AttributeError):
-        cls = None
+    # A class nested in another (`pkg.mod.Outer.Block`, as save writes its __qualname__) is an attribute
+    # path after its module: the longest importable prefix is the module, the rest is looked up on it.
+    parts, cls = name.split("."), None
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[split:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            break
+        cls = obj
+        break
     if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
         raise ConfigError(
             f"{where}: {name!r} is not an importable torch.nn.Module subclass; write its dotted path, "
@@ -151,6 +161,10 @@ def _activation_names(where: str, names, error=TypeError) -> tuple[str, ...]:
     """`names` as a tuple in ACTIVATIONS' order, each checked."""
     if isinstance(names, str) or not isinstance(names, (list, tuple, set, frozenset)):
         raise error(f"{where}: expected a list of activation names, got {type(names).__name__} {names!r}")
+    not_names = [n for n in names if not isinstance(n, str)]
+    if not_names:  # a list or dict inside is unhashable: `n in ACTIVATIONS` would raise a bare TypeError
+        raise error(f"{where}: expected a list of activation names, got {type(not_names[0]).__name__} "
+                    f"{not_names[0]!r} in {names!r}; allowed: {', '.join(ACTIVATIONS)}")
     unknown = [n for n in names if n not in ACTIVATIONS]
     if unknown:
         raise ConfigError(f"{where}: unknown activation {unknown[0]!r}; allowed: {', '.join(ACTIVATIONS)}")
@@ -313,7 +327,9 @@ class QuantizerConfig:
             except (TypeError, ValueError) as e:
                 raise ConfigError(str(e)) from None
         for section in _SECTIONS:
-            entries = d.get(section) or {}
+            # Only a missing section or null is empty: [], 0, false or "" are no mapping and are refused.
+            entries = d.get(section)
+            entries = {} if entries is None else entries
             if not isinstance(entries, dict):
                 raise ConfigError(f"{section}: expected a mapping, got {type(entries).__name__} {entries!r}")
             for key, value in entries.items():
