@@ -181,6 +181,8 @@ class Resolution:
 
     config: Optional[OpConfig]
     rule: str
+    # (section, key) of the entry that chose it, as in to_dict; None: the global config.
+    entry: Optional[tuple[str, str]] = None
 
 
 class QuantizerConfig:
@@ -282,17 +284,24 @@ class QuantizerConfig:
         inner_first = list(reversed(module_stack))
         for path, _ in inner_first:
             if path in self.module_name:
-                return Resolution(self.module_name[path], f"module name {path!r}")
+                return Resolution(self.module_name[path], f"module name {path!r}", ("module_name", path))
             for pattern, config in self.module_name_regex.items():
                 if re.fullmatch(pattern, path):
-                    return Resolution(config, f"module name regex {pattern!r}")
+                    return Resolution(config, f"module name regex {pattern!r}", ("module_name_regex", pattern))
         for path, type_name in inner_first:
             for cls, config in self.module_type.items():
                 if module_type_name(cls) == type_name:
-                    return Resolution(config, f"module type {cls.__name__}")
+                    return Resolution(config, f"module type {cls.__name__}", ("module_type", _short_type_name(cls)))
         if op_type in self.operator_type:
-            return Resolution(self.operator_type[op_type], f"op type {op_type!r}")
+            return Resolution(self.operator_type[op_type], f"op type {op_type!r}", ("operator_type", op_type))
         return Resolution(self.global_config, "global")
+
+    def model_entries(self) -> list[tuple[str, str]]:
+        """(section, key) of the entries that name parts of a model (module
+        names, regular expressions, module types), as in to_dict."""
+        return ([("module_name", k) for k in self.module_name]
+                + [("module_name_regex", k) for k in self.module_name_regex]
+                + [("module_type", _short_type_name(k)) for k in self.module_type])
 
     # -- dicts and files ------------------------------------------------------------
 

@@ -92,6 +92,8 @@ class Plan:
     # (out, in) axes do not map onto): {op, target, module, weights
     # [(name, shape)], qspec (the activation QSpec it gets, or None: float)}.
     weights_as_activations: list[dict] = field(default_factory=list)
+    # The config's module-name, regex and module-type entries no op resolved to (section, key).
+    unused_entries: list[tuple[str, str]] = field(default_factory=list)
 
     def points(self):
         """(node, tensor, role, point) for every point: `tensor` is the value
@@ -186,6 +188,14 @@ def _weights_in(arg: Node) -> list[tuple[str, tuple]]:
     return found
 
 
+def unused_entries_text(entries: list[tuple[str, str]]) -> str:
+    """The warning of Plan.unused_entries, or "" where there is none."""
+    if not entries:
+        return ""
+    return (f"{len(entries)} config entr{'y' if len(entries) == 1 else 'ies'} matched no op of this model: "
+            + ", ".join(f"{section}[{key!r}]" for section, key in entries))
+
+
 def weights_as_activations_text(ops: list[dict]) -> str:
     """The warning of Plan.weights_as_activations, or "" where there is none."""
     if not ops:
@@ -217,6 +227,7 @@ class _Walk:
         self.float_inputs: dict[Node, Node] = {}
         # Activations quantized with the op before them (fuse_activations).
         self.activations = activation_ops(config.fuse_activations)
+        self.used_entries: set = set()
 
     def annotation(self, node: Node) -> NodeAnnotation:
         return self.plan.annotations.setdefault(node, NodeAnnotation())
@@ -246,6 +257,7 @@ class _Walk:
 
     def op(self, m: OpMatch) -> None:
         resolution = self.config.resolve(m.op_type, module_stack(m.node))
+        self.used_entries.add(resolution.entry)
         planned = PlannedOp(m, resolution.config, resolution.rule)
         self.plan.ops.append(planned)
         cfg = resolution.config
@@ -324,6 +336,9 @@ class _Walk:
                     self.op(m)
                     matched.add(node)
         self.plan.float_weight_ops = float_weight_ops(gm, matched.__contains__)
+        # Op-type entries are policy (a preset's entries for ops a model lacks); entries that name modules
+        # and match none are most often a wrong path or type.
+        self.plan.unused_entries = [e for e in self.config.model_entries() if e not in self.used_entries]
         return self.plan
 
 

@@ -28,7 +28,7 @@ from pt2e_fq.graph import float_weights_text
 from .config import OP_CONFIG_KEYS, QuantizerConfig
 from .patterns import op_type
 from .plan import (Plan, PlannedInput, PlannedPoint, build_plan, module_stack, node_or_edge_name,
-                   weights_as_activations_text)
+                   unused_entries_text, weights_as_activations_text)
 
 # What the fused op takes (docs/fake_quantize.md).
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -258,8 +258,9 @@ class FakeQuantQuantizer(Quantizer):
 
 def _warnings(plan: Plan) -> list[str]:
     """What describe ends with and annotate warns: weights no op pattern
-    covers, weights read as activations."""
-    texts = [float_weights_text(plan.float_weight_ops), weights_as_activations_text(plan.weights_as_activations)]
+    covers, weights read as activations, config entries that match no op."""
+    texts = [float_weights_text(plan.float_weight_ops), weights_as_activations_text(plan.weights_as_activations),
+             unused_entries_text(plan.unused_entries)]
     return [t for t in texts if t]
 
 
