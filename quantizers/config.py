@@ -124,15 +124,25 @@ def _short_type_name(cls: type) -> str:
 def _import_module_type(where: str, name: str) -> type:
     """The class a module_type entry names. Its module is imported as
     written: a config is trusted input, like the code that loads it."""
-    module, _, attr = name.rpartition(".")
     if not all(part.isidentifier() for part in name.split(".")):
         # importlib takes a leading "." as a relative import and fails with a TypeError.
         raise ConfigError(f"{where}: {name!r} is not a dotted class name; write the module and the class, "
                           "e.g. torch.nn.Linear or mypackage.models.Block")
-    try:
-        cls = getattr(importlib.import_module(module), attr) if module else None
-    except (ImportError, AttributeError):
-        cls = None
+    # A class nested in another (`pkg.mod.Outer.Block`, as save writes its __qualname__) is an attribute
+    # path after its module: the longest importable prefix is the module, the rest is looked up on it.
+    parts, cls = name.split("."), None
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[split:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            break
+        cls = obj
+        break
     if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
         raise ConfigError(
             f"{where}: {name!r} is not an importable torch.nn.Module subclass; write its dotted path, "
@@ -151,6 +161,10 @@ def _activation_names(where: str, names, error=TypeError) -> tuple[str, ...]:
     """`names` as a tuple in ACTIVATIONS' order, each checked."""
     if isinstance(names, str) or not isinstance(names, (list, tuple, set, frozenset)):
         raise error(f"{where}: expected a list of activation names, got {type(names).__name__} {names!r}")
+    not_names = [n for n in names if not isinstance(n, str)]
+    if not_names:  # a list or dict inside is unhashable: `n in ACTIVATIONS` would raise a bare TypeError
+        raise error(f"{where}: expected a list of activation names, got {type(not_names[0]).__name__} "
+                    f"{not_names[0]!r} in {names!r}; allowed: {', '.join(ACTIVATIONS)}")
     unknown = [n for n in names if n not in ACTIVATIONS]
     if unknown:
         raise ConfigError(f"{where}: unknown activation {unknown[0]!r}; allowed: {', '.join(ACTIVATIONS)}")
@@ -167,6 +181,8 @@ class Resolution:
 
     config: Optional[OpConfig]
     rule: str
+    # (section, key) of the entry that chose it, as in to_dict; None: the global config.
+    entry: Optional[tuple[str, str]] = None
 
 
 class QuantizerConfig:
@@ -268,17 +284,24 @@ class QuantizerConfig:
         inner_first = list(reversed(module_stack))
         for path, _ in inner_first:
             if path in self.module_name:
-                return Resolution(self.module_name[path], f"module name {path!r}")
+                return Resolution(self.module_name[path], f"module name {path!r}", ("module_name", path))
             for pattern, config in self.module_name_regex.items():
                 if re.fullmatch(pattern, path):
-                    return Resolution(config, f"module name regex {pattern!r}")
+                    return Resolution(config, f"module name regex {pattern!r}", ("module_name_regex", pattern))
         for path, type_name in inner_first:
             for cls, config in self.module_type.items():
                 if module_type_name(cls) == type_name:
-                    return Resolution(config, f"module type {cls.__name__}")
+                    return Resolution(config, f"module type {cls.__name__}", ("module_type", _short_type_name(cls)))
         if op_type in self.operator_type:
-            return Resolution(self.operator_type[op_type], f"op type {op_type!r}")
+            return Resolution(self.operator_type[op_type], f"op type {op_type!r}", ("operator_type", op_type))
         return Resolution(self.global_config, "global")
+
+    def model_entries(self) -> list[tuple[str, str]]:
+        """(section, key) of the entries that name parts of a model (module
+        names, regular expressions, module types), as in to_dict."""
+        return ([("module_name", k) for k in self.module_name]
+                + [("module_name_regex", k) for k in self.module_name_regex]
+                + [("module_type", _short_type_name(k)) for k in self.module_type])
 
     # -- dicts and files ------------------------------------------------------------
 
@@ -313,7 +336,9 @@ class QuantizerConfig:
             except (TypeError, ValueError) as e:
                 raise ConfigError(str(e)) from None
         for section in _SECTIONS:
-            entries = d.get(section) or {}
+            # Only a missing section or null is empty: [], 0, false or "" are no mapping and are refused.
+            entries = d.get(section)
+            entries = {} if entries is None else entries
             if not isinstance(entries, dict):
                 raise ConfigError(f"{section}: expected a mapping, got {type(entries).__name__} {entries!r}")
             for key, value in entries.items():

@@ -124,6 +124,11 @@ def _counted_weights(gm: GraphModule) -> dict[str, tuple[tuple, Optional[QSpec]]
         if not any(op_type(op) in COMPUTING_OP_TYPES for op in ops):
             continue
         points = [r for r in readers if is_point(r)]
+        if points:
+            # The QSpec is laid out as the tensor the point quantizes, which may be a relayout of the
+            # parameter (`x @ W.t()`: the point is on W.t()); the same elements in that shape.
+            val = points[0].args[0].meta.get("val")
+            shape = tuple(val.shape) if isinstance(val, torch.Tensor) else shape
         found[name] = (shape, gm.get_submodule(points[0].target).qspec if points else None)
     return found
 
@@ -161,6 +166,7 @@ class Layer:
     op_type: str
     stack: list
     elements: int = 0
+    op_types: set = field(default_factory=set)  # of its ops with a weight
     bits: dict = field(default_factory=dict)
     noise: dict = field(default_factory=dict)
 
@@ -206,17 +212,34 @@ def _run(model, batches) -> list:
 
 def _layers(gm: GraphModule) -> dict[str, Layer]:
     """The layers of a float export, by module path: modules holding an op
-    of a computing type with a parameter weight (the model itself, path "",
-    has no module-name entry and is left out)."""
+    of a computing type with a parameter weight. The model itself (path "")
+    is one too when it reads a weight in its own forward: its weights count
+    in the budget like any other."""
     layers: dict[str, Layer] = {}
     for node in gm.graph.nodes:
         m = match(node)
         if m is None or m.op_type == "embedding" or not any(role == WEIGHT for _, role in m.inputs):
             continue
         path = module_path(node)
-        if path:
-            layers.setdefault(path, Layer(path, m.op_type, module_stack(node)))
+        layers.setdefault(path, Layer(path, m.op_type, module_stack(node))).op_types.add(m.op_type)
     return layers
+
+
+# Op types whose every matched op reads a weight: outside the model's own
+# forward each such op lies in a layer with a module-name entry, so an
+# operator_type entry reaches only the ones the model itself calls.
+_WEIGHTED_OP_TYPES = frozenset(COMPUTING_OP_TYPES) - {"matmul", "bmm", "mm"}
+
+
+def _options(layer: Layer, candidates: tuple, options: tuple) -> tuple:
+    """What the returned config can give a layer. A module gets a module-name
+    entry; the model itself (path "") has none (an entry for "" would reach
+    every op without an inner entry), only operator_type entries, which for
+    a matmul would reach the matmuls of activations elsewhere too: the model's
+    own matmuls with weights keep the first candidate's settings."""
+    if layer.name == "" and not layer.op_types <= _WEIGHTED_OP_TYPES:
+        return (candidates[0],)
+    return options
 
 
 def _config_of(candidate: Union[str, QuantizerConfig]) -> QuantizerConfig:
@@ -320,17 +343,17 @@ class MixedPrecision:
                 f"{self.predicted_sqnr_db:.1f} dB")
 
 
-def _knapsack(layers: list, options: tuple, unit: float, capacity: int) -> dict:
-    """The choice per layer (layer name -> option) of least summed noise
-    whose sizes, each layer's bits in units rounded down, sum to at most
-    `capacity`: dynamic programming over the used units."""
+def _knapsack(layers: list, options: dict, unit: float, capacity: int) -> dict:
+    """The choice per layer (layer name -> one of options[layer name]) of
+    least summed noise whose sizes, each layer's bits in units rounded down,
+    sum to at most `capacity`: dynamic programming over the used units."""
     inf = torch.tensor(math.inf, dtype=torch.float64)
     best = torch.full((capacity + 1,), math.inf, dtype=torch.float64)
     best[0] = 0.0
     picks = []
     for layer in layers:
         new, pick = torch.full_like(best, math.inf), torch.zeros(best.shape, dtype=torch.int8)
-        for i, c in enumerate(options):
+        for i, c in enumerate(options[layer.name]):
             size = int(layer.bits[c] // unit)
             if size > capacity:
                 continue
@@ -342,7 +365,7 @@ def _knapsack(layers: list, options: tuple, unit: float, capacity: int) -> dict:
     at = int(best.argmin())
     choices = {}
     for layer, pick in zip(reversed(layers), reversed(picks)):
-        c = options[int(pick[at])]
+        c = options[layer.name][int(pick[at])]
         choices[layer.name] = c
         at -= int(layer.bits[c] // unit)
     return {layer.name: choices[layer.name] for layer in layers}
@@ -365,13 +388,16 @@ def mixed_precision(measured: Sensitivity, budget_bits: float, *, allow_float: b
     """
     if not isinstance(budget_bits, (int, float)) or isinstance(budget_bits, bool) or not budget_bits > 0:
         raise ValueError(f"mixed_precision: budget_bits must be a number > 0, got {budget_bits!r}")
-    options = tuple(measured.candidates) + ((FLOAT,) if allow_float else ())
+    candidates = tuple(measured.candidates)
     layers = list(measured.layers.values())
+    options = {layer.name: _options(layer, candidates, candidates + ((FLOAT,) if allow_float else ()))
+               for layer in layers}
     elements = sum(layer.elements for layer in layers)
-    smallest = sum(min(layer.bits[c] for c in options) for layer in layers) / elements
+    smallest = sum(min(layer.bits[c] for c in options[layer.name]) for layer in layers) / elements
     if budget_bits < smallest:
         raise ValueError(f"mixed_precision: budget_bits {budget_bits} is below {smallest:.4f}, the average of the "
-                         f"smallest of {', '.join(options)} in every layer")
+                         f"smallest of {', '.join(candidates + ((FLOAT,) if allow_float else ()))} in every layer "
+                         "(the model's own matmuls with weights at the first candidate's)")
     allowed = budget_bits * elements
     unit = allowed / _BUDGET_UNITS
     capacity = _BUDGET_UNITS
@@ -387,6 +413,10 @@ def mixed_precision(measured: Sensitivity, budget_bits: float, *, allow_float: b
     configs = {c: _config_of(c) for c in measured.candidates}
     for layer in layers:
         c = choices[layer.name]
+        if layer.name == "":
+            for t in sorted(layer.op_types):
+                config.set_operator_type(t, None if c == FLOAT else configs[c].resolve(t, layer.stack).config)
+            continue
         op = None if c == FLOAT else configs[c].resolve(layer.op_type, layer.stack).config
         config.set_module_name(layer.name, op)
     noise = sum(layer.noise[choices[layer.name]] for layer in layers)

@@ -167,6 +167,35 @@ def _is_param(node: Node) -> bool:
     return node.op == "get_attr"
 
 
+# Ops that only lay a tensor out anew (same elements, other strides or shape):
+# a parameter seen through them (`x @ W.t()`, `torch.mm(x, W.T)`) is still
+# that parameter's values.
+_LAYOUT_OPS = _VIEWS | {
+    aten.expand.default, aten._unsafe_view.default, aten.squeeze.default, aten.alias.default,
+    aten.detach.default, aten.clone.default, aten.contiguous.default, aten.numpy_T.default,
+    aten.mT.default, aten.adjoint.default, aten.swapaxes.default, aten.movedim.int,
+}
+
+
+def param_through_layout(node) -> Optional[Node]:
+    """The parameter (get_attr) whose elements `node` holds, laid out anew
+    by layout ops only (t, transpose, permute, view, reshape, expand,
+    squeeze, unsqueeze, clone, a no-op cast, ...) and neither broadcast nor
+    cut (the same number of elements); None otherwise."""
+    if not isinstance(node, Node):
+        return None
+    source = node
+    while not _is_param(source):
+        if source.op != "call_function" or not source.args or not isinstance(source.args[0], Node) \
+                or not (source.target in _LAYOUT_OPS or is_no_op_cast(source)):
+            return None
+        source = source.args[0]
+    val, src = node.meta.get("val"), source.meta.get("val")
+    if not (isinstance(val, torch.Tensor) and isinstance(src, torch.Tensor)) or val.numel() != src.numel():
+        return None
+    return source
+
+
 def is_no_op_cast(node: Node) -> bool:
     """A cast whose output has its input's dtype and device: the same values."""
     if node.op != "call_function" or node.target not in _CASTS or not isinstance(node.args[0], Node):
@@ -228,6 +257,23 @@ def _fused_output(node: Node, allow_batch_norm: bool, activations: frozenset) ->
     return chain[-1], chain[:-1]
 
 
+def _is_matmul_weight(node) -> bool:
+    """A matmul operand that is a weight: a parameter, or (as in `x @ W.t()`)
+    a 2-D relayout of one. The point sits on the operand itself, whose
+    layout the matmul fixes whatever the view: on the right its columns are
+    the output channels (stored (in, out), as `x @ W`), on the left its rows
+    (stored (out, in)), so the config's (out, in) axes map onto it as for a
+    parameter. A relayout to three or more dimensions (a weight split into
+    heads for bmm) has no such axes: it stays an activation, and the plan
+    warns about it."""
+    if not isinstance(node, Node):
+        return False
+    if _is_param(node):
+        return True
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.dim() == 2 and param_through_layout(node) is not None
+
+
 def _einsum_linear(node: Node) -> Optional[tuple[Node, Node, bool]]:
     """(input, weight, weight_transposed) of an einsum that is a linear: two
     operands, one a 2-D parameter sharing one index with the input, the
@@ -238,7 +284,7 @@ def _einsum_linear(node: Node) -> Optional[tuple[Node, Node, bool]]:
         return None
     terms, out = equation.split("->")
     terms = terms.split(",")
-    params = [i for i, a in enumerate(operands) if isinstance(a, Node) and _is_param(a)]
+    params = [i for i, a in enumerate(operands) if isinstance(a, Node) and _is_matmul_weight(a)]
     if len(params) != 1 or len(terms[params[0]]) != 2:
         return None
     w_term, x_term = terms[params[0]], terms[1 - params[0]]
@@ -263,11 +309,12 @@ def match(node: Node, activations: frozenset = _ACTIVATIONS) -> Optional[OpMatch
         if len(args) > 2 and isinstance(args[2], Node):
             inputs.append((args[2], BIAS))
     elif op_type in _MATMUL_OPS:
-        inputs = [(a, WEIGHT if _is_param(a) else INPUT) for a in args[:2]]
+        inputs = [(a, WEIGHT if _is_matmul_weight(a) else INPUT) for a in args[:2]]
         # x @ W: a 2-D weight on the right is stored (in, out).
-        transposed = _is_param(args[1]) and not _is_param(args[0]) and len(args[1].meta["val"].shape) == 2
+        transposed = _is_matmul_weight(args[1]) and not _is_matmul_weight(args[0]) \
+            and len(args[1].meta["val"].shape) == 2
     elif op_type == "addmm":
-        if not (isinstance(args[2], Node) and _is_param(args[2])):
+        if not (isinstance(args[2], Node) and _is_matmul_weight(args[2])):
             return None  # a product of two activations plus a tensor: no weight, left in float
         inputs, transposed = [(args[0], BIAS), (args[1], INPUT), (args[2], WEIGHT)], True
     elif op_type == "einsum":

@@ -20,16 +20,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+
+import torch
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from torch.fx import GraphModule, Node
 
 from pt2e_fq import IntFormat, PerBlock, PerChannel, PerGroup, PerTensor, QSpec
-from pt2e_fq.graph import float_weight_ops
+from pt2e_fq.graph import float_weight_ops, is_constant, is_rotation_matrix, module_path, target_name
 
 from .config import OpConfig, QuantizerConfig
-from .patterns import AVERAGING_POOLS, CONV_OPS, WEIGHT, OpMatch, activation_ops, match, passes_grid, residual_add
+from .patterns import AVERAGING_POOLS, COMPUTING_OP_TYPES, CONV_OPS, WEIGHT, OpMatch, activation_ops, match, passes_grid, residual_add
 
 EdgeOrNode = Union[Node, tuple[Node, Node]]
 
@@ -86,6 +88,12 @@ class Plan:
     ops: list[PlannedOp] = field(default_factory=list)
     annotations: dict[Node, NodeAnnotation] = field(default_factory=dict)
     float_weight_ops: list[dict] = field(default_factory=list)
+    # Weights an op reads as an activation operand (a layout the weight's
+    # (out, in) axes do not map onto): {op, target, module, weights
+    # [(name, shape)], qspec (the activation QSpec it gets, or None: float)}.
+    weights_as_activations: list[dict] = field(default_factory=list)
+    # The config's module-name, regex and module-type entries no op resolved to (section, key).
+    unused_entries: list[tuple[str, str]] = field(default_factory=list)
 
     def points(self):
         """(node, tensor, role, point) for every point: `tensor` is the value
@@ -158,6 +166,49 @@ def _conv_weight_groups(spec: QSpec, weight: Node, in_axis: int) -> QSpec:
     return dataclasses.replace(spec, granularity=PerBlock(tuple(block)))
 
 
+def _weights_in(arg: Node) -> list[tuple[str, tuple]]:
+    """(name, shape) of the weights (float parameters or buffers of two or
+    more dimensions, as pt2e_fq.graph.weight_readers counts them) that a
+    constant operand is computed from."""
+    if not is_constant(arg):
+        return []
+    found, todo, seen = [], [arg], set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "get_attr":
+            val = n.meta.get("val")
+            if isinstance(val, torch.Tensor) and val.is_floating_point() and val.dim() >= 2 \
+                    and not is_rotation_matrix(n.target):
+                found.append((n.target, tuple(val.shape)))
+        else:
+            todo += n.all_input_nodes
+    return found
+
+
+def unused_entries_text(entries: list[tuple[str, str]]) -> str:
+    """The warning of Plan.unused_entries, or "" where there is none."""
+    if not entries:
+        return ""
+    return (f"{len(entries)} config entr{'y' if len(entries) == 1 else 'ies'} matched no op of this model: "
+            + ", ".join(f"{section}[{key!r}]" for section, key in entries))
+
+
+def weights_as_activations_text(ops: list[dict]) -> str:
+    """The warning of Plan.weights_as_activations, or "" where there is none."""
+    if not ops:
+        return ""
+    where = "; ".join(
+        f"{o['op']} ({o['target']}) in module '{o['module']}': " + ", ".join(f"{n} {tuple(s)}" for n, s in o["weights"])
+        + (f" gets the input_activation QSpec {o['qspec']}" if o["qspec"] is not None else " stays float")
+        for o in ops)
+    return (f"{len(ops)} op(s) read a weight through a layout whose output channels the weight QSpec cannot be "
+            f"mapped onto (only a 2-D relayout of a parameter is a matmul weight), so it is treated as an "
+            f"activation: {where}")
+
+
 def _only_model_output(node: Node) -> bool:
     """Every reader of the node, seen through pass-through ops, is the graph's output."""
     return bool(node.users) and all(u.op == "output" or (passes_grid(u) and _only_model_output(u))
@@ -176,6 +227,7 @@ class _Walk:
         self.float_inputs: dict[Node, Node] = {}
         # Activations quantized with the op before them (fuse_activations).
         self.activations = activation_ops(config.fuse_activations)
+        self.used_entries: set = set()
 
     def annotation(self, node: Node) -> NodeAnnotation:
         return self.plan.annotations.setdefault(node, NodeAnnotation())
@@ -205,6 +257,7 @@ class _Walk:
 
     def op(self, m: OpMatch) -> None:
         resolution = self.config.resolve(m.op_type, module_stack(m.node))
+        self.used_entries.add(resolution.entry)
         planned = PlannedOp(m, resolution.config, resolution.rule)
         self.plan.ops.append(planned)
         cfg = resolution.config
@@ -221,6 +274,14 @@ class _Walk:
                     spec = _conv_weight_groups(spec, arg, in_axis=0 if m.weight_transposed else 1)
             p = PlannedInput(arg, role, spec)
             planned.inputs.append(p)
+            # A constant operand of a matmul is meant as a weight (an add's or a cat's, such as
+            # position embeddings or a class token, is a tensor added to or joined with activations).
+            if role != WEIGHT and m.op_type in COMPUTING_OP_TYPES:
+                weights = _weights_in(arg)
+                if weights:
+                    self.plan.weights_as_activations.append(dict(
+                        op=m.node.name, target=target_name(m.node), module=module_path(m.node),
+                        weights=weights, qspec=spec))
             if spec is not None:
                 root = self.input_point(p, m.node, group_root)
                 if m.shared_inputs:
@@ -275,6 +336,9 @@ class _Walk:
                     self.op(m)
                     matched.add(node)
         self.plan.float_weight_ops = float_weight_ops(gm, matched.__contains__)
+        # Op-type entries are policy (a preset's entries for ops a model lacks); entries that name modules
+        # and match none are most often a wrong path or type.
+        self.plan.unused_entries = [e for e in self.config.model_entries() if e not in self.used_entries]
         return self.plan
 
 

@@ -65,6 +65,8 @@ def check_keys(where: str, given, allowed) -> None:
         raise ConfigError(f"{where}: expected a mapping, got {type(given).__name__} {given!r}")
     for key in given:
         if key not in allowed:
+            if not allowed:  # an empty list after "allowed:" reads as a truncated message
+                raise ConfigError(f"{where}: unknown key {key!r}; it takes no arguments")
             raise ConfigError(f"{where}: unknown key {key!r}; allowed: {_allowed(allowed)}")
 
 

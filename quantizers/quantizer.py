@@ -27,7 +27,8 @@ from pt2e_fq.graph import float_weights_text
 
 from .config import OP_CONFIG_KEYS, QuantizerConfig
 from .patterns import op_type
-from .plan import Plan, PlannedInput, PlannedPoint, build_plan, module_stack, node_or_edge_name
+from .plan import (Plan, PlannedInput, PlannedPoint, build_plan, module_stack, node_or_edge_name,
+                   unused_entries_text, weights_as_activations_text)
 
 # What the fused op takes (docs/fake_quantize.md).
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -143,8 +144,8 @@ class FakeQuantQuantizer(Quantizer):
         """Writes the plan's annotations; warns naming every op with weights
         that no op pattern covers (their weights stay float)."""
         plan = self.plan(model)
-        if plan.float_weight_ops:
-            warnings.warn(f"FakeQuantQuantizer: {float_weights_text(plan.float_weight_ops)}", stacklevel=2)
+        for text in _warnings(plan):
+            warnings.warn(f"FakeQuantQuantizer: {text}", stacklevel=2)
         specs: dict[QSpec, object] = {}
 
         def torchao_spec(point: Optional[PlannedPoint]):
@@ -248,11 +249,19 @@ class FakeQuantQuantizer(Quantizer):
         table += f"\n{plan.num_modules} fake-quant module(s)"
         table += "\nmodel outputs: " + ("quantized where an op config gives them an output point (model_output: true)"
                                         if self.config.model_output else "float (model_output: false)")
-        if plan.float_weight_ops:
-            table += "\nwarning: " + float_weights_text(plan.float_weight_ops)
+        for text in _warnings(plan):
+            table += "\nwarning: " + text
         if print_table:
             print(table)
         return table
+
+
+def _warnings(plan: Plan) -> list[str]:
+    """What describe ends with and annotate warns: weights no op pattern
+    covers, weights read as activations, config entries that match no op."""
+    texts = [float_weights_text(plan.float_weight_ops), weights_as_activations_text(plan.weights_as_activations),
+             unused_entries_text(plan.unused_entries)]
+    return [t for t in texts if t]
 
 
 def _input_text(p: PlannedInput) -> str:

@@ -209,3 +209,53 @@ def test_the_choice_is_the_exhaustive_searchs_best(seed, budget):
         assert noise <= min(sum(layers[f"l{i}"].noise[o] for i, o in enumerate(c)) for c in slack) + 1e-12
     assert noise >= best - 1e-12
     assert math.isclose(chosen.predicted_sqnr_db, -10 * math.log10(noise)) if noise > 0 else True
+
+
+def test_average_weight_bits_of_a_weight_read_through_a_view():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.W = nn.Parameter(torch.randn(32, 64))  # (out, in)
+
+        def forward(self, x):
+            return x @ self.W.t()
+
+    x = torch.randn(4, 64)
+    prepared = prepare_pt2e(torch.export.export(M().eval(), (x,)).module(),
+                            FakeQuantQuantizer(presets.get_preset("w8a8")))
+    # int8 codes plus one fp16 scale per output channel (32 of them) over 2048 weights.
+    assert mp.average_weight_bits(prepared) == 8 + 16 * 32 / 2048
+
+
+class _RootWeights(nn.Module):
+    """Weights read in the model's own forward (module path ""): a linear's and, with `matmul`, a matmul's."""
+
+    def __init__(self, matmul: bool = False):
+        super().__init__()
+        self.matmul = matmul
+        self.root_w = nn.Parameter(torch.randn(256, 64) / 8)
+        self.root_m = nn.Parameter(torch.randn(256, 256) / 16)
+        self.fc = nn.Linear(256, 10)
+
+    def forward(self, x):
+        h = torch.relu(nn.functional.linear(x, self.root_w))
+        if self.matmul:
+            h = h @ self.root_m
+        return self.fc(h)
+
+
+@pytest.mark.parametrize("matmul", [False, True], ids=["linear", "linear_and_matmul"])
+@pytest.mark.parametrize("budget", [5.0, 8.5, 32.0])
+def test_weights_read_by_the_model_itself_count_in_the_budget(budget, matmul):
+    torch.manual_seed(0)
+    model = _RootWeights(matmul).eval()
+    data = [torch.randn(16, 64) for _ in range(4)]
+    measured = mp.sensitivity(torch.export.export(model, (data[0],)).module(), data[:2], data[2:],
+                              ("w4a8", "w8a8"), progress=False)
+    chosen = mp.mixed_precision(measured, budget_bits=budget)
+    prepared = prepare_pt2e(torch.export.export(model, (data[0],)).module(), FakeQuantQuantizer(chosen.config))
+    actual = mp.average_weight_bits(prepared)
+    assert actual <= budget
+    assert chosen.average_bits == pytest.approx(actual, rel=1e-12)
+    if matmul:  # the model's own matmul keeps the first candidate's int4 groups: 4.5 bits per weight
+        assert chosen.choices[""] == "w4a8"

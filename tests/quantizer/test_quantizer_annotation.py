@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 from tests.models.quantizer import (  # noqa: F401 (single_thread: an autouse fixture)
     build, example_batch, export, fake_quant_modules, prepare, single_thread)
+from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
 from torchao.quantization.pt2e.quantizer import QuantizationSpec, SharedQuantizationSpec
 
 import pt2e_fq as q
@@ -280,3 +281,20 @@ def test_validate_refuses_a_shared_module_whose_qparams_change_shape():
         prepare(Uneven().eval(), torch.randn(16, 8), FakeQuantQuantizer(config))
     assert ("input 'linear_1' of node 'cat' (aten.cat.default) in module '' (Uneven): it shares the "
             "fake-quant module of linear->cat, whose qparams have shape (1, 8), but") in str(err.value)
+
+
+def test_config_entries_that_match_no_op_are_named_by_describe_and_annotate():
+    model, x = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).eval(), torch.randn(4, 16)
+    config = presets.get_preset("w8a8")
+    config.set_module_name("head", None)  # no such module
+    config.set_module_name("2 ", None)  # "2" with a trailing space
+    config.set_module_name("2", None)  # used: the last linear
+    config.set_module_name(re.compile(r"blocks\..*"), None)
+    config.set_module_type(nn.Conv2d, None)
+    config.set_operator_type("conv2d", None)  # op-type entries are policy: not named
+    expected = ("4 config entries matched no op of this model: module_name['head'], module_name['2 '], "
+                "module_name_regex['blocks\\\\..*'], module_type['torch.nn.Conv2d']")
+    gm = torch.export.export(model, (x,)).module()
+    assert "warning: " + expected in FakeQuantQuantizer(config).describe(gm, print_table=False)
+    with pytest.warns(UserWarning, match=re.escape(expected)):
+        prepare_pt2e(gm, FakeQuantQuantizer(config))

@@ -241,3 +241,42 @@ def test_qparams_that_do_not_follow_the_dynamic_axis_run_at_every_batch_size(spe
     prepared = prepare_pt2e(gm, FakeQuantQuantizer(QuantizerConfig(OpConfig(input_activation=spec))))
     for batch in (4, 3, 9):
         assert prepared(torch.randn(batch, 8)).shape == (batch, 4)
+
+
+@pytest.mark.parametrize("value, bad", [([["relu"]], "list ['relu']"), ([{"relu": 1}], "dict {'relu': 1}")])
+def test_a_nested_value_in_fuse_activations_is_named_with_what_is_allowed(value, bad):
+    d = dict(presets.get_preset("w8a8").to_dict(), fuse_activations=value)
+    with pytest.raises(ConfigError, match=re.escape(f"fuse_activations: expected a list of activation names, got {bad}")
+                       + ".*allowed: relu, relu6, hardtanh"):
+        QuantizerConfig.from_dict(d)
+    with pytest.raises(TypeError, match=re.escape("fuse_activations: expected a list of activation names")):
+        QuantizerConfig(fuse_activations=value)
+
+
+@pytest.mark.parametrize("d, message", [
+    ({"type": "per_tensor", "axis": 0}, "global.weight.granularity (per_tensor): unknown key 'axis'; it takes no arguments"),
+    ({"type": "per_token", "axis": 0}, "global.weight.granularity (per_token): unknown key 'axis'; it takes no arguments"),
+])
+def test_an_argument_to_a_type_without_arguments_says_so(d, message):
+    with pytest.raises(ConfigError, match=re.escape(message) + "$"):
+        QuantizerConfig.from_dict({"global": {"weight": {"format": "int8", "granularity": d}}})
+
+
+@pytest.mark.parametrize("value", [[], 0, False, "", ["head"]])
+@pytest.mark.parametrize("section", ["operator_type", "module_type", "module_name", "module_name_regex"])
+def test_a_section_that_is_not_a_mapping_is_refused(section, value):
+    with pytest.raises(ConfigError, match=re.escape(f"{section}: expected a mapping, got {type(value).__name__} {value!r}")):
+        QuantizerConfig.from_dict(dict(presets.get_preset("w8a8").to_dict(), **{section: value}))
+
+
+class Outer:
+    class Block(nn.Module):
+        pass
+
+
+def test_a_module_type_nested_in_a_class_round_trips_through_a_file(tmp_path):
+    config = presets.get_preset("w8a8").set_module_type(Outer.Block, None)
+    config.save(tmp_path / "c.yaml")
+    assert f"{__name__}.Outer.Block: null" in (tmp_path / "c.yaml").read_text()
+    loaded = QuantizerConfig.load(tmp_path / "c.yaml")
+    assert loaded == config and Outer.Block in loaded.module_type

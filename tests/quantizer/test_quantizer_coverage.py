@@ -141,3 +141,79 @@ def test_an_op_with_weights_that_no_pattern_covers_is_named_by_describe_annotate
     pipeline.calibrate(prepared, [(x,)], progress=False)
     report = pt2e_fq.report(pipeline.convert(prepared), (x,), file=None)
     assert report.table().splitlines()[-2] == "warning: " + expected  # above the weights summary
+
+
+class ViewedWeight(nn.Module):
+    """A weight (out, in) = (6, 8), as nn.Linear stores it, read through a view."""
+
+    def __init__(self, form: str):
+        super().__init__()
+        self.form = form
+        self.W = nn.Parameter(torch.randn(6, 8))
+
+    def forward(self, x):  # x: (n, 8)
+        if self.form == "t":
+            return x @ self.W.t()
+        if self.form == "mm_T":
+            return torch.mm(x, self.W.T)
+        if self.form == "transpose":
+            return torch.matmul(x, self.W.transpose(0, 1))
+        return x @ self.W.permute(1, 0)
+
+
+@pytest.mark.parametrize("form", ["t", "mm_T", "transpose", "permute"])
+def test_a_weight_read_through_a_view_gets_the_weight_qspec_per_output_channel(form):
+    torch.manual_seed(0)
+    model, x = ViewedWeight(form).eval(), torch.randn(16, 8)
+    prepared = pipeline.prepare(model, (x,), "w8a8")
+    pipeline.calibrate(prepared, [(x,)], progress=False)
+    points = [n for n in prepared.graph.nodes if n.op == "call_module" and n.args[0].op == "call_function"
+              and n.args[0].args[0].op == "get_attr"]
+    assert len(points) == 1  # the point on the view the matmul reads
+    w = prepared.get_parameter(points[0].args[0].args[0].target).detach()
+    fake_quantized = prepared.get_submodule(points[0].target)(w.t())
+    # One int8 scale per output channel: per row of W (out, in), per column of the W.t() the matmul reads.
+    torch.testing.assert_close(fake_quantized, _per_output_channel_int8(w, 0).t(), rtol=0, atol=0)
+
+
+def test_a_weight_read_through_a_view_is_quantized_by_a_weight_only_preset():
+    torch.manual_seed(0)
+    model, x = ViewedWeight("t").eval(), torch.randn(16, 64)
+    model.W = nn.Parameter(torch.randn(6, 64))
+    prepared = pipeline.prepare(model, (x,), "w4a16")
+    pipeline.calibrate(prepared, [(x,)], progress=False)
+    points = [n for n in prepared.graph.nodes if n.op == "call_module" and n.target.startswith("activation_post")]
+    assert len(points) == 1
+    fake_quantized = prepared.get_submodule(points[0].target)(model.W.detach().t())  # (in, out) = (64, 6)
+    # int4 groups of 32 input channels of each output channel: at most 16 values per group.
+    for group in fake_quantized.t().reshape(6, 2, 32).reshape(12, 32):
+        assert 1 < group.unique().numel() <= 16
+    with torch.no_grad():
+        torch.testing.assert_close(prepared(x), x @ fake_quantized)
+
+
+class HeadsWeight(nn.Module):
+    """A (64, 32) weight split into 4 heads of (16, 32): per head its own output channels, which no
+    (out, in) axis of a weight QSpec names."""
+
+    def __init__(self):
+        super().__init__()
+        self.W = nn.Parameter(torch.randn(64, 32))
+
+    def forward(self, x):  # x: (4, n, 16)
+        return torch.matmul(x, self.W.view(4, 16, 32))
+
+
+@pytest.mark.parametrize("preset, gets", [
+    ("w8a8", "gets the input_activation QSpec INT8 PerTensor() asymmetric HistogramObserver"),
+    ("w4a16", "stays float"),
+])
+def test_a_weight_whose_layout_cannot_be_mapped_is_named_by_describe_and_annotate(preset, gets):
+    x = torch.randn(4, 8, 16)
+    expected = "matmul (matmul) in module '': W (64, 32) " + gets
+    quantizer = FakeQuantQuantizer(presets.get_preset(preset))
+    gm = pipeline.export(HeadsWeight().eval(), (x,), dynamic_batch=False)
+    table = quantizer.describe(gm, print_table=False)
+    assert "warning: 1 op(s) read a weight through a layout" in table and expected in table
+    with pytest.warns(UserWarning, match=re.escape(expected)):
+        prepare_pt2e(gm, quantizer)
