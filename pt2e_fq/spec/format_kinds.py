@@ -246,7 +246,7 @@ class _Integer(FormatKind):
 
     def _from_range(self, spec, lo, hi, dtype):
         qmin, qmax = self.quant_range(spec)
-        limit = int_range_limit(dtype, qmin, qmax)
+        limit = int_range_limit(dtype, qmin, qmax, spec.scheme)
         lo, hi = lo.clamp(-limit, limit), hi.clamp(-limit, limit)
         if spec.formulation is Formulation.MINVAL:
             scale, minval = minval_qparams(lo, hi, qmin, qmax)
@@ -274,7 +274,7 @@ class _Integer(FormatKind):
         # the op's C++ checks would still catch a mistake.
         return torch.ops.pt2e_fq.fake_quantize_affine_observe(
             x, list(block_size), state["min_val"], state["max_val"], state["scale"], offset, state["nonfinite"],
-            qmin, qmax, scheme, int_range_limit(x.dtype, qmin, qmax), averaging_constant,
+            qmin, qmax, scheme, int_range_limit(x.dtype, qmin, qmax, spec.scheme), averaging_constant,
         )[0]
 
     def learnable_names(self, spec) -> tuple[str, ...]:

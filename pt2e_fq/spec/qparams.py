@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .formats import ELEMENTS
+from .schemes import Scheme
 
 # torch's observers floor integer scales at fp32 eps; a constant tensor then
 # gets a tiny but valid scale instead of 0.
@@ -28,17 +29,38 @@ SCALE_DTYPES = (torch.float32, torch.bfloat16)
 FLOAT_SCALE_TINY = torch.finfo(torch.float32).tiny
 
 
-def int_range_limit(dtype: torch.dtype, quant_min: int, quant_max: int) -> float:
-    """The largest |value| an integer point's range may reach for inputs of
-    `dtype`; observed ranges are clamped to it. The integer grid overshoots
-    its range by up to half a step (an asymmetric zero point is rounded; a
-    symmetric signed grid reaches quant_min * scale = -amax * (n + 1) / n,
-    n = quant_max - quant_min), so a range up to the dtype's largest finite
-    value would dequantize values inside it to +-Inf (fp16: 65504 -> Inf).
-    Scaling the dtype's max by n / (n + 1) keeps every grid point finite;
-    capping at half the fp32 max keeps hi - lo, and so the scale, finite."""
+def grid_reach(scheme: Scheme, quant_min: int, quant_max: int) -> float:
+    """How far a scheme's grid can reach past its range: the largest
+    |grid end| over the range's largest |value|, at most. The symmetric
+    schemes put the zero point on the middle code, zp = (quant_min +
+    quant_max + 1) // 2, and the range's amax on `per_amax` codes, so their
+    farthest end is max(zp - quant_min, quant_max - zp) / per_amax * amax:
+    full-range SYMMETRIC puts amax on (n / 2) codes, n = quant_max - quant_min, and
+    reaches quant_min * scale = -amax * (n + 1) / n; SYMMETRIC_NARROW reaches
+    amax itself; SYMMETRIC_NO_CLIP puts hi on the fewer codes of its side,
+    so its longer side reaches (zp - quant_min) / (quant_max - zp) * amax
+    (int8 128/127, int4 8/7, int2 2). ASYMMETRIC (both formulations) ends
+    within half a step of its range, a step being at most 2 * amax / n:
+    (n + 1) / n."""
     n = quant_max - quant_min
-    return min(torch.finfo(dtype).max * n / (n + 1), torch.finfo(torch.float32).max / 2)
+    if scheme is Scheme.ASYMMETRIC:
+        return (n + 1) / n
+    middle = (quant_min + quant_max + 1) // 2
+    below, above = middle - quant_min, quant_max - middle
+    per_amax = min(below, above) if scheme is Scheme.SYMMETRIC_NO_CLIP else n / 2
+    return max(below, above) / per_amax
+
+
+def int_range_limit(dtype: torch.dtype, quant_min: int, quant_max: int, scheme: Scheme) -> float:
+    """The largest |value| an integer point's range may reach for inputs of
+    `dtype`; observed ranges are clamped to it. A range up to the dtype's
+    largest finite value would put grid points beyond it (grid_reach), and
+    values inside the range would dequantize to +-Inf (fp16 int8 symmetric:
+    -65504 -> -Inf). Dividing the dtype's max by the scheme's reach keeps
+    every grid point finite, so values beyond the range saturate at a finite
+    grid end; capping at half the fp32 max keeps hi - lo, and so the scale,
+    finite (and a zero-point grid, whose reach is at most 2, within fp32)."""
+    return min(torch.finfo(dtype).max / grid_reach(scheme, quant_min, quant_max), torch.finfo(torch.float32).max / 2)
 
 
 def stored_scale(scale: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
