@@ -37,6 +37,7 @@ from .qparams import (
     float_scale_from_amax,
     int_range_limit,
     minval_qparams,
+    stored_grid_scale,
     stored_scale,
     symmetric_no_clip_qparams,
     symmetric_qparams,
@@ -250,11 +251,13 @@ class _Integer(FormatKind):
         lo, hi = lo.clamp(-limit, limit), hi.clamp(-limit, limit)
         if spec.formulation is Formulation.MINVAL:
             scale, minval = minval_qparams(lo, hi, qmin, qmax)
-            return {"scale": stored_scale(scale, spec.scale_dtype), "minval": minval}
+            scale = stored_grid_scale(scale, spec.scale_dtype, dtype, 0.0, float(qmax - qmin), minval)
+            return {"scale": scale, "minval": minval}
         # The zero point comes from the fp32 scale, as torchao's choose_qparams_affine
         # computes it before casting the scale to its scale_dtype.
         scale, zero_point = _ZP_QPARAMS[spec.scheme][0](lo, hi, qmin, qmax)
-        return {"scale": stored_scale(scale, spec.scale_dtype), "zero_point": zero_point}
+        scale = stored_grid_scale(scale, spec.scale_dtype, dtype, qmin - zero_point, qmax - zero_point)
+        return {"scale": scale, "zero_point": zero_point}
 
     def fake_quantize(self, spec, x, block_size, qparams):
         qmin, qmax = self.quant_range(spec)

@@ -9,6 +9,8 @@ results agree with torchao's stock observers.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .formats import ELEMENTS
@@ -70,6 +72,36 @@ def stored_scale(scale: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
     floored at INT_SCALE_EPS (2**-23, a bfloat16 value) stays at or above
     it: rounding to nearest is monotone."""
     return scale if scale_dtype == torch.float32 else scale.to(scale_dtype).to(torch.float32)
+
+
+def stored_grid_scale(scale: torch.Tensor, scale_dtype: torch.dtype, dtype: torch.dtype, low,
+                      high, offset: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """stored_scale of `scale`, kept where the grid stays finite in `dtype`
+    (the input's). The grid's ends are low * s + offset and high * s +
+    offset, as the op dequantizes them in fp32 (low, high: the lowest and
+    highest code less the integer offset; offset: MINVAL's minval).
+    Rounding to nearest can take the scale up by half a scale_dtype step,
+    which takes an end that int_range_limit left near the dtype's max past
+    it (fp16 int8 symmetric: 511.75 rounds to 512 and -128 * 512 to -Inf).
+    Such a block takes the scale_dtype value just below, which is at most
+    `scale`, whose grid the range limit keeps finite. The value rounded is
+    chosen before the one cast to scale_dtype and back, so a traced graph
+    still ends in that cast."""
+    if scale_dtype == torch.float32:
+        return scale
+    rounded = stored_scale(scale, scale_dtype)
+
+    def finite(code) -> torch.Tensor:
+        end = code * rounded if offset is None else code * rounded + offset
+        return torch.isfinite(end.to(dtype))
+
+    past = (rounded > scale) & ~(finite(low) & finite(high))
+    # r * (1 - eps / 2) is the scale_dtype value just below a positive r:
+    # exact in fp32 (8 significant bits times 8 for bfloat16), it lies
+    # between half a step and a step below r (exactly the step below a
+    # power of two, where the step halves), so rounding to nearest gives it.
+    below = rounded * (1 - torch.finfo(scale_dtype).eps / 2)
+    return stored_scale(torch.where(past, below, scale), scale_dtype)
 
 
 def symmetric_qparams(lo, hi, quant_min: int, quant_max: int) -> tuple[torch.Tensor, torch.Tensor]:
