@@ -441,6 +441,20 @@ class _MX(_BlockScaled):
 class _NVFP4(_BlockScaled):
     name, op_name, block_scale = "NVFP4", "fake_quantize_nvfp4", "e4m3"
 
+    def check(self, spec):
+        super().check(spec)
+        # A histogram keeps how many values fall in each bin, not which block
+        # of 16 they sit in, and NVFP4's error depends on each block's own
+        # amax (its E4M3 scale): the histogram's error would not be the one
+        # the format makes, so its search has nothing valid to minimise.
+        observer = spec.observer_or_default
+        if not spec.dynamic and observer.keeps_histogram:
+            raise ValueError(
+                f"QSpec: {spec.format.name}'s block scales come from each block of {spec.format.scale_block} "
+                f"values, which a histogram does not keep; observer {type(observer).__name__} cannot choose its "
+                "global scale: use MinMaxObserver, MovingAverageMinMaxObserver or MSEObserver (or dynamic=True)"
+            )
+
     def range_granularity(self, spec):
         # The only observed qparam is the per-tensor global scale; the block
         # scales come from the kernel.
