@@ -44,6 +44,14 @@ class NonFiniteQParamsError(ValueError):
     no finite value in a block of its range)."""
 
 
+def _without_leading_ones(shape) -> tuple:
+    """shape less its leading size-1 dimensions: blocks in the same layout
+    whatever the rank of the tensor they were reduced from."""
+    shape = tuple(shape)
+    start = next((i for i, n in enumerate(shape) if n != 1), len(shape))
+    return shape[start:]
+
+
 def _torch_qscheme(spec: QSpec) -> Optional[torch.qscheme]:
     """torch's name for a per-tensor / per-channel integer scheme (None
     otherwise); torchao compares it when deciding to share observers."""
@@ -233,7 +241,10 @@ class FakeQuantize(FakeQuantizeBase):
 
     def _check_stored_shape(self, input_shape) -> None:
         """Stored state (qparams, running range) has one shape, fixed by the
-        first observation; an input that needs another is an error. In eager
+        first observation; an input that needs another is an error. Shapes
+        that differ by leading size-1 dimensions only are the same blocks
+        (a per-tensor point's (1, 1, 1, 1) and (1, 1, 1); the op takes such a
+        qparam for any rank of x), so an input of another rank is taken. In eager
         mode the shape last found good is remembered (the check costs more
         than the fused step on a small tensor); what sizes the state anew
         (`_store`, a state_dict load) forgets it."""
@@ -243,7 +254,7 @@ class FakeQuantize(FakeQuantizeBase):
         shape = reduced_shape(input_shape, self.qspec.range_granularity.block_size(input_shape))
         for name in self._qparam_buffer_names() + ("min_val", "max_val"):
             buf = self._state(name)
-            if buf is not None and buf.numel() > 0 and tuple(buf.shape) != tuple(shape):
+            if buf is not None and buf.numel() > 0 and _without_leading_ones(buf.shape) != _without_leading_ones(shape):
                 raise ValueError(
                     f"FakeQuantize({self.qspec}): this input (shape {tuple(input_shape)}) gives "
                     f"qparams of shape {tuple(shape)}, but the point was calibrated with shape "
@@ -267,7 +278,10 @@ class FakeQuantize(FakeQuantizeBase):
         elif current.numel() == 0:  # first observation: the shape is known now
             setattr(self, name, value.to(current.dtype))
         else:
-            current.copy_(value)  # in place: same storage for compile, DDP and optimizers
+            # In place: same storage for compile, DDP and optimizers. A value
+            # of another rank (an input of another rank, _check_stored_shape)
+            # differs by leading size-1 dimensions only: the same elements.
+            current.copy_(value if value.shape == current.shape else value.reshape(current.shape))
 
     # -- forward -----------------------------------------------------------
 

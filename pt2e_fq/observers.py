@@ -309,9 +309,10 @@ class HistogramObserver(RangeObserver):
         bins them; column 0 of a row counts its non-finite values, column
         1 + b its bin b. Written for few passes over the values: a value of
         a row's running range is at position (v - lo) / width * bins in
-        [0, bins] (v - lo and width are exact in float64), so only a
-        position of bins needs the clamp to bins - 1, and a non-finite value
-        is the one with a non-finite position."""
+        [0, bins] (v - lo and width are exact in float64), so a position of
+        bins needs the clamp to bins - 1, one below 0 (a range that does not
+        hold the values) the clamp to 0, and a non-finite value is the one
+        with a non-finite position."""
         rows = lo.numel()
         counts = torch.zeros(rows * (self.bins + 1), dtype=torch.float64, device=lo.device)
         lo, hi = lo.double(), hi.double()
@@ -328,6 +329,10 @@ class HistogramObserver(RangeObserver):
                 row_lo, row_width = lo[row], width[row]
             # row_lo is float64 and one-dimensional: the subtraction runs in float64, as v.double() - row_lo.
             pos = torch.sub(v, row_lo).div_(row_width).mul_(self.bins)
+            # A finite value below lo (only where the given range does not
+            # hold the row's values, e.g. lo > hi) is in bin 0, as in the op;
+            # pos * 0 is 0 there and NaN for -inf, which stays in no bin.
+            pos = torch.where(pos < 0, pos * 0, pos)
             # An empty row's range is (+inf, -inf): every value of it is non-finite, its position NaN or
             # +-inf. Truncation is floor on positions >= 0.
             index = pos.nan_to_num_(-1.0, -1.0, -1.0).clamp_(max=self.bins - 1).long().add_(1)

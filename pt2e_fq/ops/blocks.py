@@ -125,7 +125,40 @@ def reduce_blocks(x: torch.Tensor, block_size: Sequence[int], reduce, pad_value:
     not change the result (+inf for amin, -inf for amax, 0 for sum)."""
     if x.numel() == 0:  # every block is empty: pad_value is the reduction's identity
         return x.new_full(reduced_shape(tuple(x.shape), block_size), pad_value)
-    return reduce(blocked(x, block_size, pad_value), dim=tuple(range(1, 2 * x.dim(), 2)))
+    t = blocked(x, block_size, pad_value)
+    # The (r0, r1, ...) dimensions of the (r0, b0, r1, b1, ...) result.
+    return reduce_dims(t, list(range(1, 2 * x.dim(), 2)), reduce, pad_value)[tuple(
+        slice(None) if d % 2 == 0 else 0 for d in range(t.dim()))]
+
+
+def reduce_dims(t: torch.Tensor, dims: Sequence[int], reduce, identity: float) -> torch.Tensor:
+    """reduce(t, dim=dims, keepdim=True), where a reduced dimension may have
+    size 0 for amin / amax too (the result there is `identity`, which must
+    not change the result: +inf for amin, -inf for amax, or a value at or
+    below every one reduced). Callers' eager checks of an empty x are
+    settled once when a program is traced, and a dynamic batch of a saved
+    program can be 0, where amin / amax over it would raise: the dimensions
+    not known to be non-empty are reduced last, over their values and one
+    `identity`, bit for bit the same result (min and max do not round, and
+    the identity changes no value). Sums take any size, directly."""
+    if reduce is not torch.amin and reduce is not torch.amax:
+        return reduce(t, dim=tuple(dims), keepdim=True)
+    # A symbolic size is not "known non-empty" even where the tracer assumes
+    # it (export takes sizes >= 2 while tracing, and the program runs at 0).
+    sure = [d for d in dims if isinstance(t.shape[d], int) and t.shape[d] > 0]
+    rest = [d for d in dims if d not in sure]
+    if sure:
+        t = reduce(t, dim=tuple(sure), keepdim=True)
+    if not rest:
+        return t
+    keep = [d for d in range(t.dim()) if d not in rest]
+    kept = [t.shape[d] for d in keep]
+    n = 1
+    for d in rest:
+        n = n * t.shape[d]
+    flat = t.permute(keep + rest).reshape(kept + [n])
+    flat = torch.cat([flat, flat.new_full(kept + [1], identity)], dim=-1)
+    return reduce(flat, dim=-1).reshape([1 if d in rest else t.shape[d] for d in range(t.dim())])
 
 
 def expand_blocks(t: torch.Tensor, shape: Sequence[int], block_size: Sequence[int]) -> torch.Tensor:
@@ -168,5 +201,5 @@ def block_abs_max(x: torch.Tensor, block_size: Sequence[int]) -> torch.Tensor:
     a = torch.where(a < math.inf, a, 0.0)  # |x| < inf: x is finite (False for NaN); fewer ops than isfinite
     whole = whole_dims(a.shape, block_size)
     if whole is not None and a.numel() > 0:
-        return fp32(torch.amax(a, dim=whole, keepdim=True))
+        return fp32(reduce_dims(a, whole, torch.amax, 0.0))
     return fp32(reduce_blocks(a, block_size, torch.amax, 0.0))

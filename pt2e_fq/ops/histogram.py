@@ -22,9 +22,12 @@ def block_histogram(
     A value v of a block is in bin floor((v - lo) / (hi - lo) * bins),
     computed in float64 (exact differences, so a range as wide as fp32's
     bins as any other); v = hi is in the last bin, every value of a
-    one-point range in bin 0, values outside the range in the end bins; a
-    block with an empty range (lo > hi, one that saw no finite value)
-    counts nothing. NaN and +-Inf are in no bin.
+    one-point range in bin 0, values outside the range in the end bins.
+    NaN and +-Inf are in no bin, so a block with the empty range (+inf,
+    -inf: one that saw no finite value, all its values NaN or +-Inf)
+    counts nothing. A range with hi <= lo bins as one of width 1 from lo
+    (bin floor((v - lo) * bins), clamped to the end bins): a finite lo >
+    hi counts the block's finite values too.
 
     Args:
         x: float32, bfloat16 or float16 on the CPU.

@@ -37,6 +37,7 @@ from .qparams import (
     float_scale_from_amax,
     int_range_limit,
     minval_qparams,
+    stored_grid_scale,
     stored_scale,
     symmetric_no_clip_qparams,
     symmetric_qparams,
@@ -246,15 +247,17 @@ class _Integer(FormatKind):
 
     def _from_range(self, spec, lo, hi, dtype):
         qmin, qmax = self.quant_range(spec)
-        limit = int_range_limit(dtype, qmin, qmax)
+        limit = int_range_limit(dtype, qmin, qmax, spec.scheme)
         lo, hi = lo.clamp(-limit, limit), hi.clamp(-limit, limit)
         if spec.formulation is Formulation.MINVAL:
             scale, minval = minval_qparams(lo, hi, qmin, qmax)
-            return {"scale": stored_scale(scale, spec.scale_dtype), "minval": minval}
+            scale = stored_grid_scale(scale, spec.scale_dtype, dtype, 0.0, float(qmax - qmin), minval)
+            return {"scale": scale, "minval": minval}
         # The zero point comes from the fp32 scale, as torchao's choose_qparams_affine
         # computes it before casting the scale to its scale_dtype.
         scale, zero_point = _ZP_QPARAMS[spec.scheme][0](lo, hi, qmin, qmax)
-        return {"scale": stored_scale(scale, spec.scale_dtype), "zero_point": zero_point}
+        scale = stored_grid_scale(scale, spec.scale_dtype, dtype, qmin - zero_point, qmax - zero_point)
+        return {"scale": scale, "zero_point": zero_point}
 
     def fake_quantize(self, spec, x, block_size, qparams):
         qmin, qmax = self.quant_range(spec)
@@ -274,7 +277,7 @@ class _Integer(FormatKind):
         # the op's C++ checks would still catch a mistake.
         return torch.ops.pt2e_fq.fake_quantize_affine_observe(
             x, list(block_size), state["min_val"], state["max_val"], state["scale"], offset, state["nonfinite"],
-            qmin, qmax, scheme, int_range_limit(x.dtype, qmin, qmax), averaging_constant,
+            qmin, qmax, scheme, int_range_limit(x.dtype, qmin, qmax, spec.scheme), averaging_constant,
         )[0]
 
     def learnable_names(self, spec) -> tuple[str, ...]:
@@ -437,6 +440,20 @@ class _MX(_BlockScaled):
 
 class _NVFP4(_BlockScaled):
     name, op_name, block_scale = "NVFP4", "fake_quantize_nvfp4", "e4m3"
+
+    def check(self, spec):
+        super().check(spec)
+        # A histogram keeps how many values fall in each bin, not which block
+        # of 16 they sit in, and NVFP4's error depends on each block's own
+        # amax (its E4M3 scale): the histogram's error would not be the one
+        # the format makes, so its search has nothing valid to minimise.
+        observer = spec.observer_or_default
+        if not spec.dynamic and observer.keeps_histogram:
+            raise ValueError(
+                f"QSpec: {spec.format.name}'s block scales come from each block of {spec.format.scale_block} "
+                f"values, which a histogram does not keep; observer {type(observer).__name__} cannot choose its "
+                "global scale: use MinMaxObserver, MovingAverageMinMaxObserver or MSEObserver (or dynamic=True)"
+            )
 
     def range_granularity(self, spec):
         # The only observed qparam is the per-tensor global scale; the block

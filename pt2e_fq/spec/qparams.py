@@ -9,9 +9,12 @@ results agree with torchao's stock observers.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .formats import ELEMENTS
+from .schemes import Scheme
 
 # torch's observers floor integer scales at fp32 eps; a constant tensor then
 # gets a tiny but valid scale instead of 0.
@@ -28,17 +31,38 @@ SCALE_DTYPES = (torch.float32, torch.bfloat16)
 FLOAT_SCALE_TINY = torch.finfo(torch.float32).tiny
 
 
-def int_range_limit(dtype: torch.dtype, quant_min: int, quant_max: int) -> float:
-    """The largest |value| an integer point's range may reach for inputs of
-    `dtype`; observed ranges are clamped to it. The integer grid overshoots
-    its range by up to half a step (an asymmetric zero point is rounded; a
-    symmetric signed grid reaches quant_min * scale = -amax * (n + 1) / n,
-    n = quant_max - quant_min), so a range up to the dtype's largest finite
-    value would dequantize values inside it to +-Inf (fp16: 65504 -> Inf).
-    Scaling the dtype's max by n / (n + 1) keeps every grid point finite;
-    capping at half the fp32 max keeps hi - lo, and so the scale, finite."""
+def grid_reach(scheme: Scheme, quant_min: int, quant_max: int) -> float:
+    """How far a scheme's grid can reach past its range: the largest
+    |grid end| over the range's largest |value|, at most. The symmetric
+    schemes put the zero point on the middle code, zp = (quant_min +
+    quant_max + 1) // 2, and the range's amax on `per_amax` codes, so their
+    farthest end is max(zp - quant_min, quant_max - zp) / per_amax * amax:
+    full-range SYMMETRIC puts amax on (n / 2) codes, n = quant_max - quant_min, and
+    reaches quant_min * scale = -amax * (n + 1) / n; SYMMETRIC_NARROW reaches
+    amax itself; SYMMETRIC_NO_CLIP puts hi on the fewer codes of its side,
+    so its longer side reaches (zp - quant_min) / (quant_max - zp) * amax
+    (int8 128/127, int4 8/7, int2 2). ASYMMETRIC (both formulations) ends
+    within half a step of its range, a step being at most 2 * amax / n:
+    (n + 1) / n."""
     n = quant_max - quant_min
-    return min(torch.finfo(dtype).max * n / (n + 1), torch.finfo(torch.float32).max / 2)
+    if scheme is Scheme.ASYMMETRIC:
+        return (n + 1) / n
+    middle = (quant_min + quant_max + 1) // 2
+    below, above = middle - quant_min, quant_max - middle
+    per_amax = min(below, above) if scheme is Scheme.SYMMETRIC_NO_CLIP else n / 2
+    return max(below, above) / per_amax
+
+
+def int_range_limit(dtype: torch.dtype, quant_min: int, quant_max: int, scheme: Scheme) -> float:
+    """The largest |value| an integer point's range may reach for inputs of
+    `dtype`; observed ranges are clamped to it. A range up to the dtype's
+    largest finite value would put grid points beyond it (grid_reach), and
+    values inside the range would dequantize to +-Inf (fp16 int8 symmetric:
+    -65504 -> -Inf). Dividing the dtype's max by the scheme's reach keeps
+    every grid point finite, so values beyond the range saturate at a finite
+    grid end; capping at half the fp32 max keeps hi - lo, and so the scale,
+    finite (and a zero-point grid, whose reach is at most 2, within fp32)."""
+    return min(torch.finfo(dtype).max / grid_reach(scheme, quant_min, quant_max), torch.finfo(torch.float32).max / 2)
 
 
 def stored_scale(scale: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
@@ -48,6 +72,36 @@ def stored_scale(scale: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
     floored at INT_SCALE_EPS (2**-23, a bfloat16 value) stays at or above
     it: rounding to nearest is monotone."""
     return scale if scale_dtype == torch.float32 else scale.to(scale_dtype).to(torch.float32)
+
+
+def stored_grid_scale(scale: torch.Tensor, scale_dtype: torch.dtype, dtype: torch.dtype, low,
+                      high, offset: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """stored_scale of `scale`, kept where the grid stays finite in `dtype`
+    (the input's). The grid's ends are low * s + offset and high * s +
+    offset, as the op dequantizes them in fp32 (low, high: the lowest and
+    highest code less the integer offset; offset: MINVAL's minval).
+    Rounding to nearest can take the scale up by half a scale_dtype step,
+    which takes an end that int_range_limit left near the dtype's max past
+    it (fp16 int8 symmetric: 511.75 rounds to 512 and -128 * 512 to -Inf).
+    Such a block takes the scale_dtype value just below, which is at most
+    `scale`, whose grid the range limit keeps finite. The value rounded is
+    chosen before the one cast to scale_dtype and back, so a traced graph
+    still ends in that cast."""
+    if scale_dtype == torch.float32:
+        return scale
+    rounded = stored_scale(scale, scale_dtype)
+
+    def finite(code) -> torch.Tensor:
+        end = code * rounded if offset is None else code * rounded + offset
+        return torch.isfinite(end.to(dtype))
+
+    past = (rounded > scale) & ~(finite(low) & finite(high))
+    # r * (1 - eps / 2) is the scale_dtype value just below a positive r:
+    # exact in fp32 (8 significant bits times 8 for bfloat16), it lies
+    # between half a step and a step below r (exactly the step below a
+    # power of two, where the step halves), so rounding to nearest gives it.
+    below = rounded * (1 - torch.finfo(scale_dtype).eps / 2)
+    return stored_scale(torch.where(past, below, scale), scale_dtype)
 
 
 def symmetric_qparams(lo, hi, quant_min: int, quant_max: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -62,9 +62,11 @@ class QSpec:
         scale_dtype: the precision the deployed scale is stored in (integer
             formats): torch.float32, or torch.bfloat16 as ExecuTorch's
             XNNPACK stores int4 group scales (torchao's `scale_precision`).
-            The scale is computed in fp32, then rounded to scale_dtype and
-            kept as fp32 values, so training sees the scale the runtime
-            applies (qparams.stored_scale); an asymmetric zero point comes
+            The scale is computed in fp32, then rounded to scale_dtype (to
+            the nearest value, or the one below where the nearest would put
+            the grid past the input dtype's range) and kept as fp32 values,
+            so training sees the scale the runtime applies
+            (qparams.stored_grid_scale); an asymmetric zero point comes
             from the fp32 scale, as in torchao. A learnable scale trains in
             fp32 (a bfloat16 parameter would lose the optimizer's small
             steps) and the op applies it rounded, straight through; convert

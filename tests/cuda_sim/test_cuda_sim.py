@@ -39,6 +39,7 @@ from pt2e_fq.ops import _checks
 from pt2e_fq.ops.blocks import block_min_max, reduce_blocks
 from pt2e_fq.spec.formats import ELEMENTS
 from pt2e_fq.spec.qparams import int_range_limit
+from pt2e_fq.spec.schemes import Scheme
 
 # Every kernel variant through the ASan-built harness, a process per case: minutes.
 pytestmark = pytest.mark.slow
@@ -384,8 +385,8 @@ def test_observe_kernels_equal_the_observers_and_cuda_qparams(driver, tmp_path, 
     affine = kind in SCHEMES
     fields = dict(block=",".join(map(str, block)), moving=int(averaging is not None), c=averaging or 0,
                   kind="affine" if affine else kind)
-    limit = int_range_limit(dtype, qmin, qmax)
     if affine:
+        limit = int_range_limit(dtype, qmin, qmax, Scheme("asymmetric" if kind == "minval" else kind))
         fields.update(scheme=SCHEMES[kind], qmin=qmin, qmax=qmax, range_limit=repr(limit))
     case = Case(tmp_path, "observe", "observe", x, placement, **fields)
     case.put("min_val.bin", lo)
@@ -424,7 +425,7 @@ def test_the_moving_average_kernel_between_opposite_fp32_extremes_stays_finite(d
     x = torch.tensor([[3.06e38, 1.0e38]])
     lo, hi = torch.tensor([[-3.06e38]]), torch.tensor([[-3.0e38]])
     qmin, qmax = -2, 1
-    limit = int_range_limit(torch.float32, qmin, qmax)
+    limit = int_range_limit(torch.float32, qmin, qmax, Scheme.ASYMMETRIC)
     case = Case(tmp_path, "observe", "observe", x, "aligned", block="1,2", moving=1, c=averaging, kind="affine",
                 scheme=SCHEMES["asymmetric"], qmin=qmin, qmax=qmax, range_limit=repr(limit))
     case.put("min_val.bin", lo)

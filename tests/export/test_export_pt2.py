@@ -101,19 +101,29 @@ def test_a_dynamic_batch_program_runs_at_every_batch_size(tmp_path):
         ),
         "mask_used": _MaskOutput(),
     }
+    # Dynamic points reduce over the batch in the program itself: per-tensor
+    # FP8 (the fp8 preset's activations: amax of |x|) and per-tensor int8
+    # (min and max).
+    linear = lambda: torch.nn.Sequential(torch.nn.Linear(16, 4))  # noqa: E731
+    for name, act, weight in (
+        ("fp8_dynamic", q.QSpec(q.FP8_E4M3, q.PerTensor(), dynamic=True), q.QSpec(q.FP8_E4M3, q.PerChannel(0))),
+        ("int8_dynamic", q.QSpec(q.INT8, q.PerTensor(), "asymmetric", dynamic=True), PTQ["int8"][1]),
+    ):
+        models[name] = ptq(act, weight, model=linear(), shape=(8, 16),
+                           dynamic_shapes=({0: torch.export.Dim("batch")},))
     failures = []
     for name, model in models.items():
         for i, dim in enumerate((torch.export.Dim.AUTO, torch.export.Dim("batch"))):
             path = tmp_path / f"{name}-{i}.pt2"
             try:
-                example = (torch.randn(8, 16 if name == "converted" else 4),)
+                example = (torch.randn(8, 4 if name == "mask_used" else 16),)
                 saved = q.save(model, example, path, dynamic_shapes=({0: dim},))
             except Exception as e:  # noqa: BLE001 - collected: every combination is reported
                 failures.append(f"{name} {dim}: save: {str(e).splitlines()[0]}")
                 continue
             loaded = q.load(path)
             for b in (0, 1, 2, 3, 7, 8, 9, 1000):
-                x = torch.randn(b, 16 if name == "converted" else 4, generator=torch.Generator().manual_seed(b))
+                x = torch.randn(b, 4 if name == "mask_used" else 16, generator=torch.Generator().manual_seed(b))
                 expected = model(x)
                 for program in (saved, loaded):
                     try:

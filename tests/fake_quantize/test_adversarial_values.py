@@ -168,6 +168,81 @@ def test_the_fp16_grid_keeps_the_issue_example_in_range():
     assert torch.isfinite(y).all() and y[1] > 65000
 
 
+@pytest.mark.parametrize("fmt,scheme,dtype,x,scale,y", [
+    # int4 [-8, 7], zero point 0: hi = 60000 sets scale hi / 7 and the grid's
+    # low end -8 / 7 * hi. The range is clamped to 65504 * 7 / 8 = 57316, so
+    # scale 8188 and the low end -8 * 8188 = -65504 exactly.
+    (q.INT4, "symmetric_no_clip", torch.float16, [60000.0, -65000.0, 1000.0], 8188.0, [57316.0, -65504.0, 0.0]),
+    # int8: the clamp is 65504 * 127 / 128 = 64992.25, scale 511.75 =
+    # 64992.25 / 127; -Inf saturates at -128 * 511.75 = -65504.
+    (q.INT8, "symmetric_no_clip", torch.float16, [65504.0, 1.0, -INF], 511.75, [64992.25, 0.0, -65504.0]),
+    # int2 [-2, 1]: the low end is twice the range's hi; the clamp is half
+    # bf16's max (exact), the scale that, and the low end bf16's max.
+    (q.IntFormat(2), "symmetric_no_clip", torch.bfloat16, [3.3895313892515355e38, -3.3895313892515355e38],
+     1.6947656946257677e38, [1.6947656946257677e38, -3.3895313892515355e38]),
+    # uint4 [0, 15], zero point 8: 8 codes below it, 7 above; the clamp is
+    # 65504 * 7 / 8 = 57316 on both sides, the scale 57316 / 7.
+    (q.UINT4, "symmetric_no_clip", torch.float16, [-65504.0, 100.0, 65504.0], 8188.0, [-65504.0, 0.0, 57316.0]),
+    # symmetric narrow [-127, 127] reaches amax itself: no clamp below the max.
+    (q.INT8, "symmetric_narrow", torch.float16, [65504.0, -65504.0, 1.0], 65504.0 / 127, [65504.0, -65504.0, 0.0]),
+])
+@pytest.mark.parametrize("observer", [q.MinMaxObserver(), q.HistogramObserver(bins=64)], ids=lambda o: type(o).__name__)
+def test_the_grid_ends_stay_finite_by_hand(fmt, scheme, dtype, x, scale, y, observer):
+    x = torch.tensor(x, dtype=dtype)
+    fq = q.FakeQuantize(q.QSpec(fmt, q.PerTensor(), scheme, observer=observer))
+    for _ in range(2):  # the first call observes unfused, the second (MinMax) in the fused op
+        out = fq(x)
+        torch.testing.assert_close(fq.scale.reshape(()), torch.tensor(scale), rtol=2**-23, atol=0)
+        assert torch.equal(out, torch.tensor(y, dtype=torch.float64).to(torch.float32).to(dtype)), out
+
+
+SCHEMES = ["symmetric", "symmetric_narrow", "symmetric_no_clip", "asymmetric", "minval"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    bits=st.integers(2, 8), signed=st.booleans(), scheme=st.sampled_from(SCHEMES),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16]),
+    observer=st.sampled_from(["minmax", "moving"]),
+    fractions=st.lists(st.floats(-1.0, 1.0), min_size=1, max_size=6),
+    extremes=st.lists(st.sampled_from([-1.0, 1.0, -INF, INF]), min_size=1, max_size=3),
+)
+def test_every_scheme_keeps_every_grid_point_finite(bits, signed, scheme, dtype, observer, fractions, extremes):
+    """Inputs up to the dtype's largest value and +-Inf: every finite input
+    comes out finite, and +-Inf saturates at the grid's finite ends, whose
+    values are the hand formula (code - zero point) * scale, or MINVAL's
+    (code - qmin) * scale + minval, in fp32 rounded to the dtype. Two calls:
+    the second runs the fused observe op."""
+    if scheme == "minval":
+        # Left out with bf16: there the range is capped at half the fp32 max,
+        # and MINVAL's fp32 intermediate (q - qmin) * scale spans hi - lo,
+        # which can round past the fp32 max.
+        dtype = torch.float16
+    top = torch.finfo(dtype).max
+    x = torch.tensor([f * top for f in fractions + extremes], dtype=torch.float32).to(dtype)
+    fmt = q.IntFormat(bits, signed)
+    observer = q.MinMaxObserver() if observer == "minmax" else q.MovingAverageMinMaxObserver(0.5)
+    spec = (q.QSpec(fmt, q.PerTensor(), "asymmetric", "minval", observer=observer) if scheme == "minval"
+            else q.QSpec(fmt, q.PerTensor(), scheme, observer=observer))
+    fq = q.FakeQuantize(spec)
+    for _ in range(2):
+        y = fq(x)
+        qmin, qmax = fq.quant_min, fq.quant_max
+        s = fq.scale.reshape(())
+        if scheme == "minval":
+            m = fq.minval.reshape(())
+            low, high = m, (qmax - qmin) * s + m
+        else:
+            zp = int(fq.zero_point)
+            low, high = (qmin - zp) * s, (qmax - zp) * s
+        low, high = low.to(dtype), high.to(dtype)
+        assert torch.isfinite(low) and torch.isfinite(high), (low, high, fq.scale)
+        finite = torch.isfinite(x)
+        assert torch.isfinite(y[finite]).all(), (x, y, fq.scale)
+        assert torch.equal(y[x == INF], high.expand_as(y[x == INF]))
+        assert torch.equal(y[x == -INF], low.expand_as(y[x == -INF]))
+
+
 # ---------------------------------------------------------------------------
 # Item 5: observers count the NaN / Inf they ignore (shown in the report); a
 # point with non-finite qparams is never converted nor exported

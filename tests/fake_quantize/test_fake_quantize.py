@@ -206,6 +206,45 @@ def test_a_new_input_shape_that_changes_the_qparams_shape_is_an_error():
         loaded(randn(4, 8))
 
 
+@pytest.mark.parametrize("observer", [q.MinMaxObserver(), q.HistogramObserver(bins=16), q.MSEObserver(4)],
+                         ids=lambda o: type(o).__name__)
+def test_a_per_tensor_point_takes_inputs_of_any_rank(observer):
+    """One scale whatever the shape: a point calibrated on a 4-D tensor
+    takes 3-D, 1-D and 2-D ones (a point shared by both inputs of a
+    broadcasting add), observing them (unfused and fused) and with the
+    observer off; its qparams keep their first shape."""
+    fq = q.FakeQuantize(q.QSpec(q.INT8, q.PerTensor(), "asymmetric", observer=observer))
+    xs = [randn(2, 3, 4, 4, seed=1), randn(3, 1, 1, seed=2) * 4, randn(5, seed=3) * 2, randn(2, 3, 4, 4, seed=4)]
+    for x in xs:
+        fq(x)
+    assert fq.scale.shape == (1, 1, 1, 1)
+    if isinstance(observer, q.MinMaxObserver):
+        # The running range of every batch, by hand (torch's asymmetric formula).
+        lo, hi = min(float(x.min()) for x in xs), max(float(x.max()) for x in xs)
+        scale = (torch.tensor(hi, dtype=torch.float32) - torch.tensor(lo, dtype=torch.float32)) / 255
+        assert torch.equal(fq.scale.reshape(()), scale)
+        assert int(fq.zero_point) == int(-128 - torch.round(torch.tensor(lo, dtype=torch.float32) / scale))
+    fq.disable_observer()
+    x = randn(6, 7, seed=5)
+    expected, _ = reference.fake_quantize_affine(x, (6, 7), fq.scale.reshape(1, 1), fq.zero_point.reshape(1, 1),
+                                                 -128, 127)
+    assert torch.equal(fq(x), expected)
+
+
+def test_a_per_channel_point_takes_another_rank_with_the_same_channels_and_refuses_others():
+    fq = q.FakeQuantize(q.QSpec(q.INT8, q.PerChannel(-1)))
+    fq(randn(2, 3, 8))  # qparams (1, 1, 8)
+    fq(randn(5, 8, seed=1) * 3)  # (1, 8): the same 8 channels
+    assert fq.scale.shape == (1, 1, 8)
+    with pytest.raises(ValueError, match=r"gives qparams of shape \(1, 1, 6\), but the point was calibrated with "
+                                         r"shape \(1, 1, 8\)"):
+        fq(randn(2, 3, 6))
+    channel_one = q.FakeQuantize(q.QSpec(q.INT8, q.PerChannel(1)))
+    channel_one(randn(2, 4, 3))  # (1, 4, 1)
+    with pytest.raises(ValueError, match=r"gives qparams of shape \(1, 2, 1, 1\)"):
+        channel_one(randn(1, 2, 4, 3))  # axis 1 now has 2 channels
+
+
 # ---------------------------------------------------------------------------
 # dtypes, devices, state_dict, freezing
 

@@ -116,6 +116,23 @@ def test_counts_by_hand_and_the_end_bins():
     assert counts.tolist() == [[[0.0, 0.0]], [[0.0, 0.0]]] and nonfinite.item() == 6
 
 
+def test_a_range_with_lo_above_hi_bins_with_width_one_from_lo_on_both_paths():
+    # hi <= lo: width 1 from lo = 1, 4 bins: bin floor((v - 1) * 4) clamped to [0, 3].
+    # -2 .. 1.0 are at or below lo (bin 0), 1.5 at position 2, 2 at 4 -> 3; NaN in no bin.
+    x = torch.tensor([-2.0, -1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0, math.nan])
+    lo, hi = torch.tensor([1.0]), torch.tensor([-1.0])
+    counts, nonfinite = block_histogram(x, (10,), lo, hi, 4)
+    assert counts.tolist() == [[7.0, 0.0, 1.0, 1.0]] and nonfinite.item() == 1
+    ref_counts, ref_nonfinite = aten_binning(x, (10,), lo, hi, 4)
+    assert torch.equal(ref_counts, counts) and ref_nonfinite.item() == 1
+    # A value below a finite lo <= hi is in bin 0 on both paths too; -Inf in no bin.
+    x = torch.tensor([-5.0, 0.0, 3.0, -math.inf])
+    lo, hi = torch.tensor([0.0]), torch.tensor([3.0])
+    counts, _ = block_histogram(x, (4,), lo, hi, 3)
+    assert counts.tolist() == [[2.0, 0.0, 1.0]]
+    assert torch.equal(aten_binning(x, (4,), lo, hi, 3)[0], counts)
+
+
 def test_many_threads_count_what_one_thread_counts():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(8, 40000, generator=g)

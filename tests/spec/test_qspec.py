@@ -80,6 +80,10 @@ def test_int_format_outside_the_op_range_is_rejected(bits, signed):
         (dict(format=q.MXFP8_E4M3, granularity=q.PerGroup(32)), "set dynamic=True"),
         (dict(granularity=q.PerToken()), "PerToken qparams exist only for the live tensor"),
         (dict(dynamic=True, observer=q.MinMaxObserver()), "observer must be None or CurrentMinMaxObserver"),
+        (dict(format=q.NVFP4, granularity=q.PerGroup(16), observer=q.HistogramObserver()),
+         "NVFP4's block scales come from each block of 16 values, which a histogram does not keep; observer "
+         "HistogramObserver cannot choose its global scale: use MinMaxObserver, MovingAverageMinMaxObserver or "
+         r"MSEObserver \(or dynamic=True\)"),
         (dict(scheme="sym"), "scheme must be one of SYMMETRIC, SYMMETRIC_NARROW, SYMMETRIC_NO_CLIP, ASYMMETRIC"),
     ],
 )
@@ -117,6 +121,12 @@ def test_float_formats_are_valid_specs():
     q.QSpec(q.MXFP4, q.PerGroup(32, axis=0), dynamic=True)
     q.QSpec(q.NVFP4, q.PerGroup(16))  # static: the global scale is calibrated
     q.QSpec(q.NVFP4, q.PerGroup(16), dynamic=True)
+    # Its global scale from an observer that sees the blocks of 16 themselves.
+    for observer in (q.MinMaxObserver(), q.MovingAverageMinMaxObserver(0.5), q.MSEObserver(8)):
+        point = q.FakeQuantize(q.QSpec(q.NVFP4, q.PerGroup(16), observer=observer))
+        assert point(torch.randn(4, 32)).shape == (4, 32) and point.global_scale.numel() == 1
+    # A histogram keeps the values of FP8 elements, which have no blocks: still accepted.
+    q.QSpec(q.FP8_E4M3, observer=q.HistogramObserver())
 
 
 @pytest.mark.parametrize(

@@ -93,6 +93,65 @@ def test_an_asymmetric_zero_point_comes_from_the_fp32_scale():
     assert torch.equal(point.scale, bf16_round(fp32_scale))
 
 
+def bf16_below(t: torch.Tensor) -> torch.Tensor:
+    """The bfloat16 value just below each positive bfloat16 value of t (fp32), on the bit pattern."""
+    u = t.float().numpy().view(np.uint32)
+    return torch.from_numpy((u - np.uint32(0x10000)).view(np.float32).copy()).reshape(t.shape)
+
+
+def test_a_rounded_scale_that_would_put_the_grid_past_fp16_steps_down():
+    # fp16 int8 symmetric over +-65504: the range is clamped to 65504 * 255 / 256 = 65248.125,
+    # the fp32 scale is 65248.125 / 127.5 = 511.75, whose nearest bfloat16 is 512 (bfloat16's
+    # step is 2 below 512); -128 * 512 = -65536 is -Inf in fp16. 510 is the bfloat16 value below.
+    x = torch.tensor([65504.0, -65504.0, 1.0], dtype=torch.float16)
+    point = q.FakeQuantize(q.QSpec(q.INT8, q.PerTensor(), "symmetric", scale_dtype=torch.bfloat16))
+    y = point(x)
+    assert float(point.scale) == 510.0 and int(point.zero_point) == 0
+    # 65504 / 510 = 128.4 -> clamped to 127: 64770, which fp16 rounds to 64768; -128 * 510 = -65280.
+    assert torch.equal(y, torch.tensor([64768.0, -65280.0, 0.0], dtype=torch.float16))
+
+
+@settings(max_examples=150, deadline=None)
+@given(bits=st.integers(2, 8), signed=st.booleans(),
+       scheme=st.sampled_from(["symmetric", "symmetric_narrow", "symmetric_no_clip", "asymmetric", "minval"]),
+       dtype=st.sampled_from([torch.float16, torch.bfloat16]),
+       fractions=st.lists(st.floats(-1.0, 1.0), min_size=1, max_size=6),
+       ends=st.lists(st.floats(0.9, 1.0), min_size=2, max_size=2))
+def test_a_bfloat16_scale_is_the_nearest_unless_that_puts_the_grid_past_the_dtype(bits, signed, scheme, dtype,
+                                                                                  fractions, ends):
+    """Ranges near the input dtype's max: the stored scale is the fp32
+    point's scale rounded to the nearest bfloat16, or, where that puts an
+    end of the grid past the dtype's range, the bfloat16 value just below;
+    every grid point is finite."""
+    if scheme == "minval":
+        dtype = torch.float16  # bf16's max lies beyond the fp32 cap, where MINVAL's fp32 intermediate can round past fp32
+    top = torch.finfo(dtype).max
+    x = torch.tensor([f * top for f in fractions] + [-ends[0] * top, ends[1] * top]).to(dtype)
+    fmt = q.IntFormat(bits, signed)
+
+    def point(scale_dtype):
+        args = ("asymmetric", "minval") if scheme == "minval" else (scheme,)
+        p = q.FakeQuantize(q.QSpec(fmt, q.PerTensor(), *args, scale_dtype=scale_dtype))
+        return p, p(x)
+
+    fp32, _ = point(torch.float32)
+    bf16, y = point(torch.bfloat16)
+    qmin, qmax = bf16.quant_min, bf16.quant_max
+
+    def grid_ends(scale):
+        if scheme == "minval":
+            return bf16.minval, (qmax - qmin) * scale + bf16.minval
+        zp = int(bf16.zero_point)
+        return (qmin - zp) * scale, (qmax - zp) * scale
+
+    nearest = bf16_round(fp32.scale)
+    finite = all(torch.isfinite(e.to(dtype)).all() for e in grid_ends(nearest))
+    expected = nearest if finite else bf16_below(nearest)
+    assert torch.equal(bf16.scale, expected), (fp32.scale, bf16.scale)
+    assert all(torch.isfinite(e.to(dtype)).all() for e in grid_ends(bf16.scale))
+    assert torch.isfinite(y).all()
+
+
 def test_a_dynamic_point_rounds_its_scales_eager_no_grad_and_exported():
     spec = q.QSpec(q.INT8, q.PerToken(), "asymmetric", dynamic=True, scale_dtype=torch.bfloat16)
     point = q.FakeQuantize(spec)

@@ -63,8 +63,9 @@ TORCH_LIBRARY(pt2e_fq, m) {
   // finite values in each of `bins` equal bins over [lo, hi] (fp32, one
   // per block), bin floor((v - lo) / (hi - lo) * bins) computed in float64
   // (the last bin takes v = hi; a one-point range puts every value in bin
-  // 0; values outside the range go to the end bins; a block with an empty
-  // range, lo > hi, counts nothing). Returns (counts: float64 of shape
+  // 0; values outside the range go to the end bins; NaN / Inf in no bin, so
+  // a block with the empty range (+inf, -inf) counts nothing; hi <= lo bins
+  // with width 1 from lo). Returns (counts: float64 of shape
   // ceil(x.shape / block_size) + (bins,), the number of NaN / Inf values of
   // x as a 0-dim int64). CPU only: on CUDA the observer bins with ATen ops
   // (observers.py says why).
