@@ -45,7 +45,7 @@ import copy
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional, Sequence, Union
+from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -227,6 +227,26 @@ def _kl(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> tor
     return F.kl_div(s.flatten(0, -2), r.flatten(0, -2), log_target=True, reduction="batchmean") * t * t
 
 
+def _epoch_batches(batches, where: str) -> Callable[[int], Sequence]:
+    """`batches` as a function from the epoch number to that epoch's batches:
+    a callable as it is, a sequence for every epoch, and a re-iterable
+    collection that is not a sequence (a DataLoader) iterated anew each
+    epoch (a shuffling loader reshuffles). A one-pass iterator (a
+    generator) cannot give a second epoch: a TypeError saying what to pass."""
+    if callable(batches):
+        return batches
+    if isinstance(batches, (Sequence, torch.Tensor)):
+        return lambda epoch: batches
+    if not isinstance(batches, Iterable):
+        raise TypeError(f"{where}: batches must be a list of batches, a DataLoader or a callable from the epoch "
+                        f"number to a list of batches, got {type(batches).__name__}")
+    if isinstance(batches, Iterator):  # iterating it consumes it
+        raise TypeError(f"{where}: batches is a one-pass iterator ({type(batches).__name__}), which cannot be "
+                        "read again for a later epoch or step; pass list(...) of it, a DataLoader, or a callable "
+                        "from the epoch number to a list of batches")
+    return lambda epoch: list(batches)
+
+
 def output_error(student: torch.nn.Module, teacher: torch.nn.Module, batches: Sequence, loss: Union[str, Callable] = "mse",
                  temperature: float = 1.0) -> float:
     """The mean distillation loss of `student` against `teacher` over
@@ -238,7 +258,7 @@ def output_error(student: torch.nn.Module, teacher: torch.nn.Module, batches: Se
     Args:
         student: the model scored (a prepared student or a converted model).
         teacher: the float model.
-        batches: model inputs, a tensor or a tuple of tensors per batch.
+        batches: model inputs, a tensor or a tuple of tensors per batch (a list, or a DataLoader).
         loss: as distill's `loss`.
         temperature: the softmax temperature of "kl".
 
@@ -250,6 +270,7 @@ def output_error(student: torch.nn.Module, teacher: torch.nn.Module, batches: Se
     """
     if not callable(loss) and loss not in LOSSES:
         raise ValueError(f"output_error: loss must be one of {', '.join(LOSSES)} or a callable, got {loss!r}")
+    batches = _epoch_batches(batches, "output_error")(0)
     if len(batches) == 0:
         raise ValueError("output_error: batches holds no batch")
     score, was_training = _output_loss(loss, temperature, "output_error"), teacher.training
@@ -443,8 +464,10 @@ def distill(
         teacher: the float model; run in eval mode without gradients, its
             mode restored after.
         batches: model inputs (a tensor or a tuple of tensors per batch),
-            cycled until `steps`; or a callable from the epoch number to such
-            a sequence (to reshuffle or redraw).
+            cycled until `steps`; a re-iterable collection such as a
+            DataLoader, read anew each epoch; or a callable from the epoch
+            number to a sequence of them (to reshuffle or redraw). A
+            generator is refused (it cannot give a second epoch).
         steps: optimizer steps.
         loss: "kl", "mse", "cosine" or callable(student_output, teacher_output) -> scalar;
             a built-in loss over several outputs (tuple, dict, ModelOutput) is the mean over
@@ -489,7 +512,8 @@ def distill(
     _check_step_count("freeze_batch_norms_after", freeze_batch_norms_after)
     _check_step_count("freeze_observers_after", freeze_observers_after)
     intermediate = list(intermediate)
-    epoch_batches = batches(0) if callable(batches) else batches
+    epochs = _epoch_batches(batches, "distill")
+    epoch_batches = epochs(0)
     if len(epoch_batches) == 0:
         raise ValueError("distill: batches holds no batch")
     start = time.perf_counter()
@@ -539,11 +563,10 @@ def distill(
                     history.observers_off_at = step
                 if position == len(epoch_batches):
                     epoch, position = epoch + 1, 0
-                    if callable(batches):
-                        epoch_batches = batches(epoch)
-                        if len(epoch_batches) == 0:
-                            raise ValueError(f"{desc}: batches({epoch}) returned no batch; the batches callable "
-                                             "must give at least one batch for every epoch")
+                    epoch_batches = epochs(epoch)  # a sequence: the same batches again
+                    if len(epoch_batches) == 0:
+                        raise ValueError(f"{desc}: batches gave no batch for epoch {epoch}; a batches callable or "
+                                         "DataLoader must give at least one batch for every epoch")
                 inputs = as_args(epoch_batches[position])
                 position += 1
                 if augment is not None:

@@ -417,10 +417,52 @@ def test_a_batches_callable_that_returns_no_batch_for_a_later_epoch_is_named():
     torch.manual_seed(0)
     teacher = ReluMLP()
     data = _data(2, 1)
-    with pytest.raises(ValueError, match=r"batches\(1\) returned no batch; the batches callable must give at "
-                                         "least one batch for every epoch") as e:
+    with pytest.raises(ValueError, match=r"batches gave no batch for epoch 1; a batches callable or DataLoader must "
+                                         "give at least one batch for every epoch") as e:
         qat.distill(_student(teacher), teacher, lambda epoch: data if epoch == 0 else [], steps=3, progress=False)
     assert "\n" not in str(e.value)
+
+
+class _CountingLoader:
+    """A re-iterable collection that is not a sequence (as a DataLoader is):
+    counts how often it is iterated."""
+
+    def __init__(self, data):
+        self.data, self.passes = data, 0
+
+    def __iter__(self):
+        self.passes += 1
+        return iter(self.data)
+
+
+def test_a_re_iterable_collection_trains_as_the_list_of_its_batches():
+    """A DataLoader-like collection is read anew each epoch; the run equals
+    the same batches given as a list, step for step."""
+    torch.manual_seed(0)
+    teacher = ReluMLP()
+    data = _data(3, 1)
+    loader = _CountingLoader(data)
+    torch.manual_seed(1)
+    from_loader = _student(teacher)
+    torch.manual_seed(1)
+    from_list = _student(teacher)
+    losses = [qat.distill(s, teacher, b, steps=7, progress=False).losses for s, b in ((from_loader, loader),
+                                                                                      (from_list, data))]
+    assert losses[0] == losses[1]
+    assert loader.passes == 3  # epochs of 3 batches for 7 steps
+    for (name, a), (_, b) in zip(from_loader.state_dict().items(), from_list.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert qat.output_error(from_loader, teacher, _CountingLoader(data)) == qat.output_error(from_list, teacher, data)
+
+
+def test_a_one_pass_iterator_is_refused_naming_what_to_pass():
+    torch.manual_seed(0)
+    teacher = ReluMLP()
+    for call in (lambda b: qat.distill(_student(teacher), teacher, b, steps=2, progress=False),
+                 lambda b: qat.output_error(teacher, teacher, b)):
+        with pytest.raises(TypeError, match=r"batches is a one-pass iterator \(generator\), which cannot be read "
+                                            r"again for a later epoch or step; pass list\(\.\.\.\) of it"):
+            call(x for x in _data(2, 1))
 
 
 class _TwoHeads(torch.nn.Module):
