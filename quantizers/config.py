@@ -4,9 +4,14 @@ An OpConfig holds the QSpecs of one op's tensors (input activations, weight,
 bias, output activation; None leaves that tensor in float). A QuantizerConfig
 holds a global OpConfig and overrides by op type, by module type and by
 module name (exact, or a regular expression that must match the whole
-name). The most specific wins: module name > module type > op type > global,
-and among modules the innermost one that has an entry. An entry of None
-leaves the op in float.
+name), and by op type inside a named module. The most specific wins: module
+name and op type > module name > module type > op type > global, and among
+modules the innermost one that has an entry. An entry of None leaves the op
+in float. A module name and op type entry ({"block1": {"linear": ...}})
+covers only that op type in that module (and the modules inside it): the
+module's other ops resolve as if the entry were not there, so a residual
+add in a block whose linear gets its own config keeps the policy of the
+entries above it (quantizers.mixed_precision writes its choices that way).
 
 It round-trips through dicts, YAML and JSON files:
 
@@ -15,6 +20,7 @@ It round-trips through dicts, YAML and JSON files:
     module_type: {torch.nn.Linear: null}
     module_name: {head: null}
     module_name_regex: {'blocks\\.\\d+\\.attn\\..*': {...}}
+    module_name_operator_type: {blocks.0: {linear: {...op config...}}}
     model_output: false
     fuse_conv_add: false
     fuse_activations: [relu, relu6, hardtanh, gelu, silu, hardswish, sigmoid, tanh, leaky_relu, elu]
@@ -67,7 +73,8 @@ from .qspec_dict import ConfigError, check_keys, qspec_from_dict, qspec_to_dict
 
 OP_CONFIG_KEYS = ("input_activation", "weight", "bias", "output_activation")
 _SECTIONS = ("operator_type", "module_type", "module_name", "module_name_regex")
-CONFIG_KEYS = ("global", *_SECTIONS, "model_output", "fuse_conv_add", "fuse_activations", "input_rotation")
+CONFIG_KEYS = ("global", *_SECTIONS, "module_name_operator_type", "model_output", "fuse_conv_add",
+               "fuse_activations", "input_rotation")
 FILE_SUFFIXES = (".yaml", ".yml", ".json")
 
 
@@ -216,6 +223,7 @@ class QuantizerConfig:
         self.module_type: dict[type, Optional[OpConfig]] = {}
         self.module_name: dict[str, Optional[OpConfig]] = {}
         self.module_name_regex: dict[str, Optional[OpConfig]] = {}
+        self.module_name_operator_type: dict[str, dict[str, Optional[OpConfig]]] = {}
 
     # -- fluent setters -------------------------------------------------------
 
@@ -275,6 +283,21 @@ class QuantizerConfig:
             raise TypeError(f"set_module_name: name must be a str or a compiled re.Pattern, got {type(name).__name__}")
         return self
 
+    def set_module_name_operator_type(self, name: str, op_type: str,
+                                      config: Optional[OpConfig]) -> "QuantizerConfig":
+        """The op config of the ops of `op_type` (one of OP_TYPES) inside the
+        module at path `name` (and the modules inside it); its other ops
+        resolve as if this entry were not there (see the module doc)."""
+        if not isinstance(name, str):
+            raise TypeError(f"set_module_name_operator_type: name must be a module path (str), got "
+                            f"{type(name).__name__}")
+        if op_type not in OP_TYPES:
+            raise ConfigError(f"set_module_name_operator_type: unknown op type {op_type!r}; allowed: "
+                              f"{', '.join(OP_TYPES)}")
+        self.module_name_operator_type.setdefault(name, {})[op_type] = _op_config_or_none(
+            "set_module_name_operator_type", config)
+        return self
+
     # -- resolution -------------------------------------------------------------
 
     def resolve(self, op_type: str, module_stack: Sequence[tuple[str, str]]) -> Resolution:
@@ -283,6 +306,10 @@ class QuantizerConfig:
         nn_module_stack)."""
         inner_first = list(reversed(module_stack))
         for path, _ in inner_first:
+            if op_type in self.module_name_operator_type.get(path, {}):
+                return Resolution(self.module_name_operator_type[path][op_type],
+                                  f"module name {path!r}, op type {op_type!r}",
+                                  ("module_name_operator_type", f"{path}: {op_type}"))
             if path in self.module_name:
                 return Resolution(self.module_name[path], f"module name {path!r}", ("module_name", path))
             for pattern, config in self.module_name_regex.items():
@@ -296,12 +323,34 @@ class QuantizerConfig:
             return Resolution(self.operator_type[op_type], f"op type {op_type!r}", ("operator_type", op_type))
         return Resolution(self.global_config, "global")
 
+    def op_configs(self) -> list[tuple[str, object, Optional[OpConfig]]]:
+        """(section, key, OpConfig or None) of every op config: the global one
+        (key None), then each section's entries; a module_name_operator_type
+        entry's key is (module path, op type)."""
+        entries: list = [("global", None, self.global_config)]
+        for section in _SECTIONS:
+            entries += [(section, key, c) for key, c in getattr(self, section).items()]
+        entries += [("module_name_operator_type", (path, t), c)
+                    for path, by_type in self.module_name_operator_type.items() for t, c in by_type.items()]
+        return entries
+
+    def replace_op_config(self, section: str, key, config: Optional[OpConfig]) -> None:
+        """Puts `config` in the place op_configs() names by (section, key)."""
+        if section == "global":
+            self.global_config = config
+        elif section == "module_name_operator_type":
+            self.module_name_operator_type[key[0]][key[1]] = config
+        else:
+            getattr(self, section)[key] = config
+
     def model_entries(self) -> list[tuple[str, str]]:
         """(section, key) of the entries that name parts of a model (module
         names, regular expressions, module types), as in to_dict."""
         return ([("module_name", k) for k in self.module_name]
                 + [("module_name_regex", k) for k in self.module_name_regex]
-                + [("module_type", _short_type_name(k)) for k in self.module_type])
+                + [("module_type", _short_type_name(k)) for k in self.module_type]
+                + [("module_name_operator_type", f"{path}: {op_type}")
+                   for path, entries in self.module_name_operator_type.items() for op_type in entries])
 
     # -- dicts and files ------------------------------------------------------------
 
@@ -313,6 +362,8 @@ class QuantizerConfig:
             "module_type": {_short_type_name(k): as_dict(v) for k, v in self.module_type.items()},
             "module_name": {k: as_dict(v) for k, v in self.module_name.items()},
             "module_name_regex": {k: as_dict(v) for k, v in self.module_name_regex.items()},
+            "module_name_operator_type": {path: {t: as_dict(v) for t, v in entries.items()}
+                                          for path, entries in self.module_name_operator_type.items()},
             "model_output": self.model_output,
             "fuse_conv_add": self.fuse_conv_add,
             "fuse_activations": list(self.fuse_activations),
@@ -362,6 +413,7 @@ class QuantizerConfig:
                     except re.error as e:
                         raise ConfigError(f"{where}: not a regular expression ({e})") from None
                     config.module_name_regex[key] = entry
+        _module_op_types(config, d.get("module_name_operator_type"), op_config)
         return config
 
     def save(self, path: Union[str, Path]) -> None:
@@ -393,6 +445,27 @@ class QuantizerConfig:
 
     def __repr__(self) -> str:
         return f"QuantizerConfig({self.to_dict()!r})"
+
+
+def _module_op_types(config: QuantizerConfig, entries, op_config) -> None:
+    """The module_name_operator_type section: {module path: {op type: op config}}."""
+    section = "module_name_operator_type"
+    entries = {} if entries is None else entries
+    if not isinstance(entries, dict):
+        raise ConfigError(f"{section}: expected a mapping of module paths to mappings of op types, got "
+                          f"{type(entries).__name__} {entries!r}")
+    for path, by_type in entries.items():
+        if not isinstance(path, str):
+            raise ConfigError(f"{section}[{path!r}]: module paths are strings (quote it in YAML: '{path}'), got "
+                              f"{type(path).__name__}")
+        if not isinstance(by_type, dict):
+            raise ConfigError(f"{section}[{path!r}]: expected a mapping of op types to op configs, got "
+                              f"{type(by_type).__name__} {by_type!r}")
+        for op_type, value in by_type.items():
+            where = f"{section}[{path!r}][{op_type!r}]"
+            if op_type not in OP_TYPES:
+                raise ConfigError(f"{where}: unknown op type {op_type!r}; allowed: {', '.join(OP_TYPES)}")
+            config.module_name_operator_type.setdefault(path, {})[op_type] = op_config(where, value)
 
 
 def _file_kind(path: Path) -> str:

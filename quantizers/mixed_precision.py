@@ -24,7 +24,9 @@ bits of `average_weight_bits` at most the budget (a multiple-choice
 knapsack, solved exactly on the bits in units of 1/2**17 of the budget,
 rounded down, and again with less room while the choice overruns, so the
 result never exceeds the budget). The config it returns is the first
-candidate preset with a module-name entry per layer.
+candidate preset with, per layer, a module name and op type entry for each
+of the layer's op types with a weight (its other ops, a residual add in
+its forward, keep the preset's policy, as when sensitivity measured them).
 
 Average weight bits count every weight a computing op reads (embedding
 tables are lookups and are not counted; their presets keep them float or
@@ -226,7 +228,7 @@ def _layers(gm: GraphModule) -> dict[str, Layer]:
 
 
 # Op types whose every matched op reads a weight: outside the model's own
-# forward each such op lies in a layer with a module-name entry, so an
+# forward each such op lies in a layer with a module name and op type entry, so an
 # operator_type entry reaches only the ones the model itself calls.
 _WEIGHTED_OP_TYPES = frozenset(COMPUTING_OP_TYPES) - {"matmul", "bmm", "mm"}
 
@@ -381,7 +383,8 @@ def mixed_precision(measured: Sensitivity, budget_bits: float, *, allow_float: b
         allow_float: whether a layer may stay float (32 bits).
 
     Returns:
-        A MixedPrecision: the QuantizerConfig (the first candidate preset with one module-name entry per layer).
+        A MixedPrecision: the QuantizerConfig (the first candidate preset with module name and op type entries
+            per layer).
 
     Raises:
         ValueError: a budget below what the smallest formats take.
@@ -417,8 +420,11 @@ def mixed_precision(measured: Sensitivity, budget_bits: float, *, allow_float: b
             for t in sorted(layer.op_types):
                 config.set_operator_type(t, None if c == FLOAT else configs[c].resolve(t, layer.stack).config)
             continue
-        op = None if c == FLOAT else configs[c].resolve(layer.op_type, layer.stack).config
-        config.set_module_name(layer.name, op)
+        # Only the layer's weighted op types: its other ops (a residual add in the block) keep the base
+        # config's policy, as when the sensitivity was measured.
+        for t in sorted(layer.op_types):
+            config.set_module_name_operator_type(
+                layer.name, t, None if c == FLOAT else configs[c].resolve(t, layer.stack).config)
     noise = sum(layer.noise[choices[layer.name]] for layer in layers)
     average = sum(layer.bits[choices[layer.name]] for layer in layers) / elements
     return MixedPrecision(config, choices, average, _db(noise), measured.layers)

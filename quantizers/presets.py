@@ -278,30 +278,19 @@ def _xnnpack_group_scales(config: QuantizerConfig) -> None:
     per-tensor scales, which XNNPACK keeps in fp32, stay fp32."""
     import dataclasses
 
-    for section, key, op_config in list(_op_configs(config)):
+    for section, key, op_config in list(config.op_configs()):
         weight = None if op_config is None else op_config.weight
         if weight is None or kind_of(weight.format) is not INTEGER or not isinstance(weight.granularity, PerGroup):
             continue
-        new = dataclasses.replace(op_config, weight=dataclasses.replace(weight, scale_dtype=torch.bfloat16))
-        if section == "global":
-            config.global_config = new
-        else:
-            getattr(config, section)[key] = new
-
-
-def _op_configs(config: QuantizerConfig):
-    """(section, key, OpConfig) of every op config of `config` that quantizes something."""
-    yield "global", None, config.global_config
-    for section in ("operator_type", "module_type", "module_name", "module_name_regex"):
-        for key, op_config in getattr(config, section).items():
-            yield section, key, op_config
+        config.replace_op_config(section, key, dataclasses.replace(
+            op_config, weight=dataclasses.replace(weight, scale_dtype=torch.bfloat16)))
 
 
 # Presets whose every point is of an integer format and whose activations are static: those learned
 # ranges apply to (learnable_ranges). The dynamic-activation presets' activation qparams come from each
 # input, and their lowering to XNNPACK has been checked with observed weight scales only.
 LEARNABLE_PRESETS = tuple(name for name, config in PRESETS.items()
-                          if name not in DYNAMIC_ACTIVATION_PRESETS and all(kind_of(spec.format) is INTEGER for _, _, c in _op_configs(config) if c is not None
+                          if name not in DYNAMIC_ACTIVATION_PRESETS and all(kind_of(spec.format) is INTEGER for _, _, c in config.op_configs() if c is not None
                                  for spec in (c.input_activation, c.weight, c.bias, c.output_activation) if spec))
 
 
@@ -327,7 +316,7 @@ def learnable_ranges(config: QuantizerConfig, where: str = "learnable_ranges") -
     import dataclasses
 
     changed = 0
-    for section, key, op_config in list(_op_configs(config)):
+    for section, key, op_config in list(config.op_configs()):
         if op_config is None:
             continue
         specs = {}
@@ -342,11 +331,7 @@ def learnable_ranges(config: QuantizerConfig, where: str = "learnable_ranges") -
             specs[role] = dataclasses.replace(spec, learnable=True)
         if specs:
             changed += len(specs)
-            new = dataclasses.replace(op_config, **specs)
-            if section == "global":
-                config.global_config = new
-            else:
-                getattr(config, section)[key] = new
+            config.replace_op_config(section, key, dataclasses.replace(op_config, **specs))
     if not changed:
         raise ValueError(f"{where}: the config has no static point to learn (dynamic points compute their ranges "
                          "from every input)")

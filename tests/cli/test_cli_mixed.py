@@ -22,7 +22,8 @@ def test_a_budget_of_32_bits_keeps_every_layer_float_and_saves_that_config(capsy
     assert "sensitivity: each point alone quantized" in out and "w4a8 dB" in out and "w8a8 dB" in out
     assert "mixed precision within 32 bits per weight" in out and "average 32.000 bits" in out
     config = QuantizerConfig.load(path)
-    assert config.module_name == {"0": None, "2": None}  # tiny_mlp's two linears, float
+    # tiny_mlp's two linears, float; nothing else in those modules
+    assert config.module_name_operator_type == {"0": {"linear": None}, "2": {"linear": None}}
 
 
 def test_a_budget_of_int4_weights_chooses_the_preset_everywhere(capsys, tmp_path):
@@ -34,7 +35,8 @@ def test_a_budget_of_int4_weights_chooses_the_preset_everywhere(capsys, tmp_path
     assert rc == 0
     config = QuantizerConfig.load(path)
     weight = config.global_config.weight
-    assert config.module_name["0"].weight == weight and config.module_name["2"].weight == weight
+    chosen = config.module_name_operator_type
+    assert chosen["0"]["linear"].weight == weight and chosen["2"]["linear"].weight == weight
 
 
 @pytest.mark.parametrize("args, message", [

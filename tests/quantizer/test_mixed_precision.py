@@ -259,3 +259,56 @@ def test_weights_read_by_the_model_itself_count_in_the_budget(budget, matmul):
     assert chosen.average_bits == pytest.approx(actual, rel=1e-12)
     if matmul:  # the model's own matmul keeps the first candidate's int4 groups: 4.5 bits per weight
         assert chosen.choices[""] == "w4a8"
+
+
+class _ResidualBlock(nn.Module):
+    """A block whose own forward reads a weight and adds the residual."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(32, 32) / 6)
+
+    def forward(self, x):
+        return x + torch.relu(nn.functional.linear(x, self.w))
+
+
+class _Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.b1, self.fc = nn.Linear(16, 32), _ResidualBlock(), nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.fc(self.b1(self.inp(x)))
+
+
+def _points_by_op(prepared) -> dict:
+    """{op target name: number of fake-quant points reading or read by it}."""
+    counts: dict = {}
+    for node in prepared.graph.nodes:
+        if node.op == "call_module" and isinstance(prepared.get_submodule(node.target), q.FakeQuantize):
+            for neighbour in [*node.users, *(a for a in node.args if isinstance(a, torch.fx.Node))]:
+                if neighbour.op == "call_function":
+                    name = neighbour.target.__name__
+                    counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("candidate", ["w8a8", "w4a8"])
+def test_the_chosen_config_keeps_the_presets_policy_for_a_layers_other_ops(candidate):
+    """Every layer chosen as one preset: the prepared model has the points
+    of that preset itself, the block's residual add left float as the
+    preset leaves it (and as sensitivity measured it)."""
+    torch.manual_seed(0)
+    model = _Residual().eval()
+    data = [torch.randn(8, 16) for _ in range(4)]
+    export = lambda: torch.export.export(model, (data[0],)).module()  # noqa: E731
+    measured = mp.sensitivity(export(), data[:2], data[2:], (candidate,), progress=False)
+    chosen = mp.mixed_precision(measured, budget_bits=20.0, allow_float=False)
+    assert set(chosen.choices.values()) == {candidate} and set(chosen.choices) == {"inp", "b1", "fc"}
+    mixed = prepare_pt2e(export(), FakeQuantQuantizer(chosen.config))
+    preset = prepare_pt2e(export(), FakeQuantQuantizer(presets.get_preset(candidate)))
+    assert _points_by_op(mixed) == _points_by_op(preset)
+    x = data[0]
+    with torch.no_grad():
+        mixed(x), preset(x)
+        assert torch.equal(mixed(x), preset(x))

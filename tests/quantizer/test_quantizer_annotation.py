@@ -292,8 +292,11 @@ def test_config_entries_that_match_no_op_are_named_by_describe_and_annotate():
     config.set_module_name(re.compile(r"blocks\..*"), None)
     config.set_module_type(nn.Conv2d, None)
     config.set_operator_type("conv2d", None)  # op-type entries are policy: not named
-    expected = ("4 config entries matched no op of this model: module_name['head'], module_name['2 '], "
-                "module_name_regex['blocks\\\\..*'], module_type['torch.nn.Conv2d']")
+    config.set_module_name_operator_type("0", "add", None)  # module "0" has a linear, no add
+    config.set_module_name_operator_type("0", "linear", None)  # used
+    expected = ("5 config entries matched no op of this model: module_name['head'], module_name['2 '], "
+                "module_name_regex['blocks\\\\..*'], module_type['torch.nn.Conv2d'], "
+                "module_name_operator_type['0: add']")
     gm = torch.export.export(model, (x,)).module()
     assert "warning: " + expected in FakeQuantQuantizer(config).describe(gm, print_table=False)
     with pytest.warns(UserWarning, match=re.escape(expected)):

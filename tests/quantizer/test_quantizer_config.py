@@ -280,3 +280,67 @@ def test_a_module_type_nested_in_a_class_round_trips_through_a_file(tmp_path):
     assert f"{__name__}.Outer.Block: null" in (tmp_path / "c.yaml").read_text()
     loaded = QuantizerConfig.load(tmp_path / "c.yaml")
     assert loaded == config and Outer.Block in loaded.module_type
+
+
+def _with_module_op_types():
+    return (_config()
+            .set_module_name_operator_type("blocks.0", "add", BY_TYPE)
+            .set_module_name_operator_type("head", "matmul", BY_OP))
+
+
+@pytest.mark.parametrize(
+    "op_type, stack, expected, rule",
+    [
+        # the op type in the named module
+        ("add", [("", "m.Net"), ("blocks.0", "m.Block")], BY_TYPE, "module name 'blocks.0', op type 'add'"),
+        # another op type there resolves as if the entry were not there
+        ("matmul", [("", "m.Net"), ("blocks.0", "m.Block")], GLOBAL, "global"),
+        ("conv2d", [("", "m.Net"), ("blocks.0", "m.Block")], BY_OP, "op type 'conv2d'"),
+        # it covers the modules inside, and beats the module's own name entry
+        ("matmul", [("head", "m.Head"), ("head.inner", "m.Inner")], BY_OP, "module name 'head', op type 'matmul'"),
+        ("add", [("head", "m.Head")], None, "module name 'head'"),
+        # an inner module's name entry still wins
+        ("linear", [("blocks.0", "m.Block"), ("blocks.0.fc", LINEAR)], BY_NAME, "module name 'blocks.0.fc'"),
+    ],
+)
+def test_a_module_name_and_op_type_entry_covers_only_that_op_type(op_type, stack, expected, rule):
+    resolution = _with_module_op_types().resolve(op_type, stack)
+    assert (resolution.config, resolution.rule) == (expected, rule)
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_module_name_and_op_type_entries_round_trip_through_files(tmp_path, suffix):
+    config = _with_module_op_types()
+    path = tmp_path / f"c{suffix}"
+    config.save(path)
+    loaded = QuantizerConfig.load(path)
+    assert loaded.module_name_operator_type == {"blocks.0": {"add": BY_TYPE}, "head": {"matmul": BY_OP}}
+    assert loaded == config
+
+
+def test_a_hand_written_module_name_and_op_type_section_reads_as_the_fluent_config(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("module_name_operator_type:\n  blocks.0:\n    linear: null\n    add:\n"
+                    "      input_activation: {format: int8, scheme: asymmetric}\n")
+    loaded = QuantizerConfig.load(path)
+    assert loaded == (QuantizerConfig().set_module_name_operator_type("blocks.0", "linear", None)
+                      .set_module_name_operator_type("blocks.0", "add", OpConfig(A8)))
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"b": {"lineer": None}}, "module_name_operator_type['b']['lineer']: unknown op type 'lineer'; allowed: linear, "),
+    ({"b": ["linear"]}, "module_name_operator_type['b']: expected a mapping of op types to op configs, got list"),
+    (["b"], "module_name_operator_type: expected a mapping of module paths to mappings of op types, got list"),
+    ({0: {"linear": None}}, "module_name_operator_type[0]: module paths are strings (quote it in YAML: '0'), got int"),
+])
+def test_a_bad_module_name_and_op_type_section_is_named(section, message):
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        QuantizerConfig.from_dict({"module_name_operator_type": section})
+
+
+def test_set_module_name_operator_type_checks_its_arguments():
+    with pytest.raises(ConfigError, match="set_module_name_operator_type: unknown op type 'relu'; allowed: linear"):
+        QuantizerConfig().set_module_name_operator_type("b", "relu", None)
+    with pytest.raises(TypeError, match=r"set_module_name_operator_type: name must be a module path \(str\), got "
+                                        "Pattern"):
+        QuantizerConfig().set_module_name_operator_type(re.compile("b"), "linear", None)
