@@ -60,9 +60,16 @@ def int_range_limit(dtype: torch.dtype, quant_min: int, quant_max: int, scheme: 
     values inside the range would dequantize to +-Inf (fp16 int8 symmetric:
     -65504 -> -Inf). Dividing the dtype's max by the scheme's reach keeps
     every grid point finite, so values beyond the range saturate at a finite
-    grid end; capping at half the fp32 max keeps hi - lo, and so the scale,
-    finite (and a zero-point grid, whose reach is at most 2, within fp32)."""
-    return min(torch.finfo(dtype).max / grid_reach(scheme, quant_min, quant_max), torch.finfo(torch.float32).max / 2)
+    grid end. Capping at half the fp32 max keeps hi - lo, and so the scale,
+    finite. An asymmetric range's grid spans hi - lo, which MINVAL's
+    dequantization computes in fp32 as (q - quant_min) * scale before it
+    adds minval: that cap divided by the grid's reach keeps the product
+    finite too (half the fp32 max alone let (quant_max - quant_min) * scale
+    round past the fp32 max). A symmetric grid's products reach at most
+    twice the range's amax."""
+    reach = grid_reach(scheme, quant_min, quant_max)
+    fp32_cap = torch.finfo(torch.float32).max / 2 / (reach if scheme is Scheme.ASYMMETRIC else 1)
+    return min(torch.finfo(dtype).max / reach, fp32_cap)
 
 
 def stored_scale(scale: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
