@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -97,6 +98,8 @@ class CalibReport:
     equalized: list = field(default_factory=list)  # EqualizeResults, where equalization ran
     ranges: list = field(default_factory=list)  # RangeResults, where the activation range search ran
     stage_seconds: dict = field(default_factory=dict)
+    # {layer node name: why} of the layers left as they were (calib.layers.usable_layers)
+    skipped: dict = field(default_factory=dict)
 
     def worst(self, count: int = 5) -> list:
         return sorted(self.layers, key=lambda r: r.after_db)[:count]
@@ -109,6 +112,8 @@ class CalibReport:
         head = (f"calib.apply({', '.join(self.algorithms)}): {len(self.layers)} layers, {self.seconds:.1f} s "
                 f"({self.cpu_seconds:.1f} s CPU; {stages})")
         text = head + "\n" + tabulate(rows, headers=("layer", "weight", "SQNR RTN dB", "SQNR after dB"))
+        if self.skipped:
+            text += "\n" + _layers.skipped_text("calib.apply", self.skipped)
         if self.equalized:
             groups = [(r.producer, ", ".join(r.consumers), r.scale, f"{r.before_db:.1f}", f"{r.after_db:.1f}")
                       for r in self.equalized]
@@ -168,7 +173,9 @@ def apply(prepared: torch.fx.GraphModule, batches: Iterable, *, gptq_rounding: b
     ranges = search_activation_ranges(prepared, batches) if activation_ranges else []
     if activation_ranges:
         stage_done("activation_ranges")
-    found = _layers.find_layers(prepared)
+    found, skipped = _layers.usable_layers(prepared)
+    if skipped:
+        warnings.warn(_layers.skipped_text("calib.apply", skipped), stacklevel=2)
     points = [m for m in prepared.modules() if hasattr(m, "enable_observer")]
     observing = {id(m): bool(getattr(m, "_observer_on", False)) for m in points}
     for m in points:
@@ -183,7 +190,8 @@ def apply(prepared: torch.fx.GraphModule, batches: Iterable, *, gptq_rounding: b
     algorithms = tuple(name for name, on in (("equalization", equalization), ("activation_ranges", activation_ranges),
                                              ("weight_ranges", weight_ranges), ("gptq", gptq_rounding),
                                              ("bias_correction", correct_bias)) if on)
-    report = CalibReport(algorithms, 0.0, 0.0, equalized=equalized, ranges=ranges, stage_seconds=stage_seconds)
+    report = CalibReport(algorithms, 0.0, 0.0, equalized=equalized, ranges=ranges, stage_seconds=stage_seconds,
+                         skipped=skipped)
     weight_points = {id(layer.point) for layer in found}
     for layer in found:
         s = stats[layer.node]

@@ -24,6 +24,7 @@ what remains at its own output.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -101,7 +102,10 @@ def correct_activation_bias(prepared: torch.fx.GraphModule, batches: Iterable) -
 
 
 def _correct_all(prepared: torch.fx.GraphModule, inputs: list) -> list[LayerShift]:
-    layers = {layer.node: layer for layer in _layers.find_layers(prepared)}
+    usable, skipped = _layers.usable_layers(prepared)
+    if skipped:
+        warnings.warn(_layers.skipped_text("correct_activation_bias", skipped), stacklevel=3)
+    layers = {layer.node: layer for layer in usable}
     graph = prepared.graph
     nodes = list(graph.nodes)
     last_use = {}

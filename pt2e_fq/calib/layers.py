@@ -19,6 +19,8 @@ from ..spec.format_kinds import INTEGER, MX, NVFP4, SCALED_FLOAT
 
 aten = torch.ops.aten
 LINEAR, CONV2D = aten.linear.default, aten.conv2d.default
+# nn.Conv2d(padding="same" or "valid") calls this overload: padding as a string.
+CONV2D_PADDING = aten.conv2d.padding
 # aten.conv2d's arguments after (input, weight, bias), with their defaults.
 _CONV_DEFAULTS = ((1, 1), (0, 0), (1, 1))  # stride, padding, dilation
 _GROUPS_ARG = 6  # every aten.conv1d/2d/3d overload: (input, weight, bias, stride, padding, dilation, groups)
@@ -26,7 +28,7 @@ _GROUPS_ARG = 6  # every aten.conv1d/2d/3d overload: (input, weight, bias, strid
 ROTATION = "pt2e_fq_rotation"
 
 
-def is_layer(node: torch.fx.Node, ops: Collection = (LINEAR, CONV2D)) -> bool:
+def is_layer(node: torch.fx.Node, ops: Collection = (LINEAR, CONV2D, CONV2D_PADDING)) -> bool:
     """A call of one of `ops` that is the model's own: not an input
     rotation's linear, whose matrix is fixed and shared by every rotation of
     its size (no pass may quantize, scale, rotate or reround it)."""
@@ -54,14 +56,33 @@ class Layer:
 
     @property
     def is_conv(self) -> bool:
-        return self.node.target is CONV2D
+        return self.node.target in (CONV2D, CONV2D_PADDING)
 
     def conv_args(self) -> tuple:
-        """(stride, padding, dilation, groups) of a conv2d node."""
+        """(stride, padding, dilation, groups) of a conv2d node; padding
+        "valid" as 0 and "same" as the kernel's reach on each side
+        (same_padding says where that is not symmetric)."""
         given = tuple(self.node.args[3:]) + _CONV_DEFAULTS[len(self.node.args) - 3:]
         stride, padding, dilation = (given[i] if i < len(given) else _CONV_DEFAULTS[i] for i in range(3))
         pair = lambda v: tuple(v) if isinstance(v, (list, tuple)) else (v, v)  # noqa: E731
-        return pair(stride), pair(padding), pair(dilation), conv_groups(self.node)
+        dilation = pair(dilation)
+        if padding == "valid":
+            padding = 0
+        elif padding == "same":
+            padding = tuple(d * (k - 1) // 2 for d, k in zip(dilation, self.weight_shape[2:]))
+        return pair(stride), pair(padding), dilation, conv_groups(self.node)
+
+    def same_padding_is_uneven(self) -> bool:
+        """padding="same" whose kernel reach is odd: torch pads one more
+        row or column after than before, which the column layout of the
+        statistics (one padding per side) does not hold."""
+        if self.node.target is not CONV2D_PADDING:
+            return False
+        padding = self.node.args[4] if len(self.node.args) > 4 else self.node.kwargs.get("padding", "valid")
+        if padding != "same":
+            return False
+        _, _, dilation, _ = self.conv_args()
+        return any(d * (k - 1) % 2 for d, k in zip(dilation, self.weight_shape[2:]))
 
     @property
     def groups(self) -> int:
@@ -165,13 +186,50 @@ def find_layers(gm: torch.fx.GraphModule) -> list[Layer]:
     return layers
 
 
+def usable_layers(gm: torch.fx.GraphModule) -> tuple[list[Layer], dict[str, str]]:
+    """find_layers less the layers an algorithm that rewrites weights and
+    biases cannot take, and {layer node name: why} of those: a weight or
+    bias that another op reads too (a module called twice, tied weights:
+    each use would round the weight for its own inputs, and bias
+    corrections would add up on the shared bias), and a conv whose
+    padding="same" is uneven (same_padding_is_uneven)."""
+    layers = find_layers(gm)
+    readers = tensor_readers(gm)
+    uses = Counter(id(_tensor(gm, name)) for layer in layers
+                   for name in (layer.weight_name, getattr(layer.bias_node(), "target", None)) if name is not None)
+    kept, skipped = [], {}
+    for layer in layers:
+        point_node = layer.node.args[1]
+        # get_attr nodes, each with the one node that may read it: the weight's point, the layer (bias)
+        reads = [(point_node.args[0], point_node)] + ([(layer.bias_node(), layer.node)]
+                                                      if layer.bias_node() is not None else [])
+        shared = [node.target for node, reader in reads
+                  if uses[id(_tensor(gm, node.target))] > 1 or readers[id(_tensor(gm, node.target))] > 1
+                  or set(node.users) != {reader} or (reader is point_node and set(point_node.users) != {layer.node})]
+        if shared:
+            skipped[layer.node.name] = f"{' and '.join(shared)} read by another op too"
+        elif layer.same_padding_is_uneven():
+            skipped[layer.node.name] = 'padding="same" with an even kernel (one more row or column after)'
+        else:
+            kept.append(layer)
+    return kept, skipped
+
+
+def skipped_text(where: str, skipped: dict) -> str:
+    """One line naming the layers an algorithm left as they were, and why."""
+    return (f"{where}: {len(skipped)} layer(s) left as they were: "
+            + "; ".join(f"{name} ({why})" for name, why in skipped.items()))
+
+
 def _set_attr(gm: torch.fx.GraphModule, name: str, value: torch.Tensor) -> None:
     """Replaces the tensor at `name` with a new Parameter (never in place: a
     graph from torch.export(model).module() shares its parameters with the
-    user's float model, which must stay as it is)."""
+    user's float model, which must stay as it is), in the old tensor's dtype
+    (the algorithms compute in fp32; a bf16 or fp16 model stays one)."""
     owner_name, _, attr = name.rpartition(".")
     owner = gm.get_submodule(owner_name) if owner_name else gm
     old = getattr(owner, attr)
+    value = value.to(old.dtype)
     if isinstance(old, torch.nn.Parameter):
         setattr(owner, attr, torch.nn.Parameter(value.detach().clone(), requires_grad=old.requires_grad))
     else:
@@ -191,7 +249,8 @@ def add_to_bias(gm: torch.fx.GraphModule, layer: Layer, delta: torch.Tensor) -> 
         _set_attr(gm, node.target, old.detach() + delta.to(old.dtype))
         return
     name = layer.weight_name.replace(".", "_") + "_calib_bias"
-    gm.register_parameter(name, torch.nn.Parameter(delta.detach().clone(), requires_grad=False))
+    dtype = _tensor(gm, layer.weight_name).dtype  # the layer's own: an op takes one dtype
+    gm.register_parameter(name, torch.nn.Parameter(delta.detach().to(dtype), requires_grad=False))
     with gm.graph.inserting_before(layer.node):
         bias = gm.graph.get_attr(name)
     args = list(layer.node.args)

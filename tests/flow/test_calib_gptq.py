@@ -242,3 +242,97 @@ def test_column_quantizer_is_the_op_on_the_whole_weight(spec, permuted):
         got[:, j] = quantize(columns, i)[0]
     clamped = w if bound is None else torch.maximum(torch.minimum(w, bound[0]), -bound[0])
     torch.testing.assert_close(got, point(clamped), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("preset", ["w4a16", "w8a8"])
+def test_a_half_precision_model_keeps_its_dtype_through_the_algorithms(dtype, preset):
+    """The algorithms compute in fp32; what they write back (rounded
+    weights, corrected and new biases) is in the model's dtype, so the
+    converted model runs on its own inputs, close to the float model."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8, bias=False)).eval().to(dtype)
+    batches = [(torch.randn(16, 16, dtype=dtype),) for _ in range(3)]
+    converted = pipeline.quantize(model, batches[0], preset, calibration=batches, progress=False)
+    assert {p.dtype for p in converted.parameters()} == {dtype}
+    with torch.no_grad():
+        out, ref = converted(*batches[0]), model(*batches[0])
+    assert out.dtype == dtype
+    assert _sqnr(ref.float(), out.float()) > 15
+
+
+class _Twice(nn.Module):
+    """One linear (weight and bias) called twice, and a linear of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared, self.head = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.shared(torch.relu(self.shared(x))))
+
+
+def test_a_weight_two_ops_read_is_left_as_it_was_and_named():
+    """Each use would round the shared weight for its own inputs and add its
+    own correction to the shared bias: apply leaves both uses at round to
+    nearest (bit for bit the plain conversion) and says so."""
+    torch.manual_seed(0)
+    model = _Twice().eval()
+    batches = [torch.randn(32, 16) + 2.0 for _ in range(3)]
+
+    def quantized(algorithms):
+        prepared = pipeline.prepare(model, batches[0], "w4a16")
+        pipeline.calibrate(prepared, batches, progress=False)
+        if not algorithms:
+            return convert_pt2e(prepared), None
+        with pytest.warns(UserWarning, match=r"calib.apply: 2 layer\(s\) left as they were: linear \(shared.weight "
+                                             r"and shared.bias read by another op too\); linear_1 \(shared.weight"):
+            report = calib.apply(prepared, batches)
+        return convert_pt2e(prepared), report
+
+    plain, _ = quantized(False)
+    tuned, report = quantized(True)
+    assert [r.name for r in report.layers] == ["head.weight"] and set(report.skipped) == {"linear", "linear_1"}
+    assert "left as they were" in str(report)
+    assert torch.equal(tuned.get_parameter("shared.weight"), plain.get_parameter("shared.weight"))
+    assert torch.equal(tuned.get_parameter("shared.bias"), plain.get_parameter("shared.bias"))
+
+
+class _Conv(nn.Module):
+    def __init__(self, kernel, padding):
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(4, 8, kernel, padding=padding), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x)).mean((2, 3)))
+
+
+def _tuned_conv(model, batches):
+    prepared = pipeline.prepare(model, batches[0], "w4a16")
+    pipeline.calibrate(prepared, batches, progress=False)
+    report = calib.apply(prepared, batches)
+    return prepared, report
+
+
+def test_a_conv_with_padding_same_is_rounded_as_the_same_conv_with_numbers():
+    """nn.Conv2d(padding="same") calls aten.conv2d.padding: with an odd
+    kernel it is the conv with padding (k - 1) / 2, and the algorithms give
+    it the same weights and bias bit for bit."""
+    torch.manual_seed(0)
+    by_name = _Conv(3, "same").eval()
+    by_number = _Conv(3, 1).eval()
+    by_number.load_state_dict(by_name.state_dict())
+    batches = [torch.randn(4, 4, 10, 10) + 0.5 for _ in range(3)]
+    (a, report), (b, _) = _tuned_conv(by_name, batches), _tuned_conv(by_number, batches)
+    assert [r.name for r in report.layers] == ["conv.weight", "fc.weight"]
+    for name in ("conv.weight", "conv.bias"):
+        assert torch.equal(a.get_parameter(name), b.get_parameter(name)), name
+
+
+def test_a_conv_with_uneven_padding_same_is_left_as_it_was_and_named():
+    torch.manual_seed(0)
+    batches = [torch.randn(4, 4, 10, 10) for _ in range(2)]
+    with pytest.warns(UserWarning, match=r'calib.apply: 1 layer\(s\) left as they were: conv2d \(padding="same" with '
+                                         r"an even kernel"):
+        _, report = _tuned_conv(_Conv(2, "same").eval(), batches)
+    assert [r.name for r in report.layers] == ["fc.weight"]
