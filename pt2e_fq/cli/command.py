@@ -471,6 +471,11 @@ def cmd_quantize(args) -> int:
     if args.qat_validation and not args.qat_steps:
         raise UsageError("--qat-validation: it scores QAT; give --qat-steps N (N > 0) with it")
     example = example_inputs(args.example_input)
+    from . import pipeline
+
+    if not args.static_batch and pipeline.batch_of_one(example):
+        raise UsageError(f"--example-input: {pipeline.BATCH_OF_ONE}, or add --static-batch for a program of the "
+                         "example's shapes")
     config = quantizer_config(args)
     calibration = batches_file(args.calib_data, example, args.static_batch) if args.calib_data else None
     validation = (batches_file(args.qat_validation, example, args.static_batch, "--qat-validation", "validation")
@@ -484,7 +489,6 @@ def cmd_quantize(args) -> int:
         except Exception as e:
             raise UsageError(f"--example-input: the model fails on inputs of shapes "
                              f"{[tuple(t.shape) for t in example]}: {type(e).__name__}: {_first_line(e)}") from None
-    from . import pipeline
     from ..export import check_lowered, check_onnx, save, to_executorch, to_onnx, to_qdq
     from ..report import report
 

@@ -109,11 +109,27 @@ def batch_dynamic_shapes(example_args: tuple, model: Optional[torch.nn.Module] =
     return tuple(grouped)
 
 
+def batch_of_one(args: tuple) -> bool:
+    """Every tensor argument with a batch dimension has a batch of 1: a
+    size torch.export fixes (it specializes dimensions of size 0 and 1), so
+    the program would take batch 1 only."""
+    batched = [t for t in args if isinstance(t, torch.Tensor) and t.dim() > 0]
+    return bool(batched) and all(t.shape[0] == 1 for t in batched)
+
+
+BATCH_OF_ONE = ("a batch (dimension 0) of 1, which torch.export fixes at 1: the program takes batch 1 only, and "
+                "another batch size fails on a guard inside it; give an example batch of 2 or more (random values "
+                "will do) for a program that takes any batch")
+
+
 def export(model: torch.nn.Module, example_inputs, *, dynamic_batch: bool = True) -> torch.fx.GraphModule:
     """torch.export of `model` in its current train/eval mode, as the
     GraphModule that prepare_pt2e takes; an ExportError when torch.export
     fails."""
     args = as_args(example_inputs)
+    if dynamic_batch and batch_of_one(args):
+        warnings.warn(f"export: example_inputs have {BATCH_OF_ONE}, or pass dynamic_batch=False to say that batch "
+                      "1 is meant", stacklevel=2)
     dynamic_shapes = batch_dynamic_shapes(args, model) if dynamic_batch else None
     # A failed torch.export prints the partial graph to stderr (once per
     # nested tracing level), dozens of lines, before it raises; the graph

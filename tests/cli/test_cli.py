@@ -83,6 +83,9 @@ def _write(path: Path, text: str) -> str:
          "--example-input: no such file 'missing.pt'"),
         (["--model", "tests.models.cli:tiny_mlp", "--example-input", "8x17", "--preset", "w8a8"],
          "--example-input: the model fails on inputs of shapes [(8, 17)]: RuntimeError"),
+        (["--model", "tests.models.cli:tiny_mlp", "--example-input", "1x16", "--preset", "w8a8"],
+         "--example-input: a batch (dimension 0) of 1, which torch.export fixes at 1: the program takes batch 1 "
+         "only"),
         (["--model", "tests.models.cli:tiny_mlp", "--example-input", "8x16", "--config", "missing.yaml"],
          "--config: no such file 'missing.yaml'"),
         (["--model", "tests.models.cli:tiny_mlp", "--example-input", "8x16", "--preset", "w8a8", "--out", "m.onnx"],
@@ -459,3 +462,12 @@ def test_a_plain_preset_runs_its_defaults(capsys, tmp_path):
     assert rc == 0, err
     formats = {m.group(1): m.group(2) for m in re.finditer(r"weight of (\w+)\s+(INT\d)", out)}
     assert formats == {"conv2d": "INT8", "conv2d_1": "INT8", "conv2d_2": "INT4", "linear": "INT8"}, out
+
+
+def test_a_batch_of_one_with_static_batch_quantizes_a_program_of_that_batch(capsys, tmp_path):
+    out = tmp_path / "m.pt2"
+    rc, _, err = cli_main(capsys, "quantize", "--model", "tests.models.cli:tiny_mlp", "--example-input", "1x16",
+                          "--preset", "w8a8", "--static-batch", "--no-progress", "--out", str(out))
+    assert rc == 0, err
+    program = pt2e_fq.load(out)
+    assert program.module()(torch.randn(1, 16)).shape == (1, 4)

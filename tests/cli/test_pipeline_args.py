@@ -98,3 +98,27 @@ def test_cli_static_batch_needs_calibration_batches_of_the_example_s_size(capsys
         "[(4, 8) float32, (4, 6) float32]" in err
     rc, _, err = cli_main(capsys, *QUANTIZE, "--calib-data", str(calib))  # a dynamic batch takes both
     assert rc == 0, err
+
+
+def test_an_example_batch_of_one_is_named_by_a_warning_and_the_program_takes_batch_one_only():
+    """torch.export fixes a dimension of size 1: the warning says so before
+    a later batch fails on the program's guard."""
+    model = nn.Linear(8, 4)
+    with pytest.warns(UserWarning, match=r"export: example_inputs have a batch \(dimension 0\) of 1, which "
+                                         r"torch.export fixes at 1"):
+        gm = pipeline.export(model, torch.randn(1, 8))
+    gm(torch.randn(1, 8))
+    with pytest.raises(Exception, match="Guard failed"):
+        gm(torch.randn(3, 8))
+
+
+class _Add(nn.Module):
+    def forward(self, x, y):
+        return x + y
+
+
+@pytest.mark.parametrize("example", [(torch.randn(3, 8), torch.randn(3, 8)), (torch.randn(3, 8), torch.randn(1, 8))],
+                         ids=["batch_3", "a_broadcast_input_beside_batch_3"])
+def test_an_example_batch_of_more_than_one_is_not_warned_about(example, recwarn):
+    pipeline.export(_Add(), example)
+    assert not [w for w in recwarn if "torch.export fixes at 1" in str(w.message)]
