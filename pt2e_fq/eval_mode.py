@@ -91,7 +91,7 @@ FLOORS = frozenset((aten.floor.default, aten.floor_.default))
 _ADDS = frozenset((aten.add.Tensor, aten.add_.Tensor))
 
 
-def _noise(gm: torch.fx.GraphModule) -> tuple[set[torch.fx.Node], set[torch.fx.Node]]:
+def random_noise(gm: torch.fx.GraphModule) -> tuple[set[torch.fx.Node], set[torch.fx.Node]]:
     """(masks, draws): masks are the nodes computed from Bernoulli draws, or
     from the floor of uniform draws, and scalars only; draws the uniform
     draws and what is computed from them alone before a floor makes a mask.
@@ -119,13 +119,7 @@ def random_masks(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
     from the floor of uniform draws, and scalars only (stochastic depth's
     mask: empty -> bernoulli_ -> div_, or floor(keep + rand); and a
     fake-quant point on it), not from the model's inputs or parameters."""
-    return _noise(gm)[0]
-
-
-def random_draws(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
-    """The uniform draws, and the nodes computed from them alone, that the
-    floor of a mask reads."""
-    return _noise(gm)[1]
+    return random_noise(gm)[0]
 
 
 def floor_mask_keep(mask: torch.fx.Node) -> Optional[float]:

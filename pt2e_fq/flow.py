@@ -36,7 +36,7 @@ from torchao.quantization.pt2e.export_utils import _EXPORTED_TRAINING_ATTR
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e as _torchao_convert_pt2e
 
 from .eval_mode import (BATCH_NORM, DROPOUTS, SDPA, _SDPA_DROPOUT_P, eval_value_of_masked_product, masked_products,
-                        random_draws, random_masks, restore_batch_norms, sdpa_dropout_p)
+                        random_noise, restore_batch_norms, sdpa_dropout_p)
 from .fake_quantize import FakeQuantize
 from .graph import as_args
 
@@ -137,8 +137,8 @@ def move_exported_model_to_eval(model: torch.fx.GraphModule) -> torch.fx.GraphMo
                 n.update_kwarg("dropout_p", 0.0)
             else:
                 n.update_arg(_SDPA_DROPOUT_P, 0.0)
-    noise = random_masks(model)
-    removable = noise | random_draws(model)
+    noise, draws = random_noise(model)
+    removable = noise | draws
     for n in masked_products(model, noise):
         value = eval_value_of_masked_product(n, noise)
         if value is not None:  # else left: the warning below names it, convert and save refuse it

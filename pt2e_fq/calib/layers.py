@@ -195,17 +195,16 @@ def usable_layers(gm: torch.fx.GraphModule) -> tuple[list[Layer], dict[str, str]
     padding="same" is uneven (same_padding_is_uneven)."""
     layers = find_layers(gm)
     readers = tensor_readers(gm)
-    uses = Counter(id(_tensor(gm, name)) for layer in layers
-                   for name in (layer.weight_name, getattr(layer.bias_node(), "target", None)) if name is not None)
     kept, skipped = [], {}
     for layer in layers:
         point_node = layer.node.args[1]
-        # get_attr nodes, each with the one node that may read it: the weight's point, the layer (bias)
+        # Each tensor read by one get_attr node, read by one node: the weight's point (read by the layer
+        # alone), the bias's layer. A second get_attr of the tensor, or a second reader, is another op.
         reads = [(point_node.args[0], point_node)] + ([(layer.bias_node(), layer.node)]
                                                       if layer.bias_node() is not None else [])
         shared = [node.target for node, reader in reads
-                  if uses[id(_tensor(gm, node.target))] > 1 or readers[id(_tensor(gm, node.target))] > 1
-                  or set(node.users) != {reader} or (reader is point_node and set(point_node.users) != {layer.node})]
+                  if readers[id(_tensor(gm, node.target))] > 1 or set(node.users) != {reader}
+                  or (reader is point_node and set(point_node.users) != {layer.node})]
         if shared:
             skipped[layer.node.name] = f"{' and '.join(shared)} read by another op too"
         elif layer.same_padding_is_uneven():

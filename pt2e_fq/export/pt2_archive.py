@@ -105,9 +105,9 @@ def _check_folder(path, archive: zipfile.ZipFile, members: dict[str, str], types
         description = members[f"{layout.MODELS_DIR}{model}.json"]
         try:
             _check_model(path, description, json.loads(archive.read(description)), types)
+        except UnsafeArchiveError:
+            raise
         except (ValueError, TypeError, AttributeError, IndexError, KeyError) as e:
-            if isinstance(e, UnsafeArchiveError):
-                raise
             raise ValueError(f"load: {os.fspath(path)!r}: {description} is not a torch.export model description "
                              f"({type(e).__name__}: {e})") from None
 
