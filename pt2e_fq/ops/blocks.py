@@ -106,14 +106,23 @@ def whole_dims(shape: Sequence[int], block_size: Sequence[int]) -> Optional[list
 def blocked(x: torch.Tensor, block_size: Sequence[int], pad_value: float) -> torch.Tensor:
     """x as (r0, b0, r1, b1, ...): the reduced shape's dimensions interleaved
     with the block's, a ragged last block padded with `pad_value`. A block
-    longer than its dimension is one block: no need to pad up to it."""
+    longer than its dimension is one block: no need to pad up to it.
+
+    Under export a size may be symbolic (a dynamic batch), and asking how it
+    compares with its block would guard the program to the example's answer
+    (`batch >= block`, `batch % block == 0`), refusing other batch sizes. So
+    sizes are compared only where statically known: a block is cut to its
+    dimension only where it is known to be longer, and the padding (the
+    symbolic r * b - s, possibly 0) is skipped only where it is known to be
+    0. Padding up to a block longer than its dimension gives the same blocks,
+    since `pad_value` changes no reduction."""
     shape = tuple(x.shape)
-    block = [b if b <= s else s for s, b in zip(shape, block_size)]
+    block = [s if statically_known_true(b > s) else b for s, b in zip(shape, block_size)]
     red = reduced_shape(shape, block)
     pad = []
     for s, b, r in reversed(list(zip(shape, block, red))):
         pad += [0, r * b - s]  # F.pad lists the last dimension first
-    if any(p != 0 for p in pad):
+    if not all(statically_known_true(p == 0) for p in pad):
         x = torch.nn.functional.pad(x, pad, value=pad_value)
     return x.reshape([v for r, b in zip(red, block) for v in (r, b)])
 

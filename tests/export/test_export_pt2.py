@@ -10,6 +10,7 @@ from tests.models.quantized import (
     FloatFormatModel,
     batch,
     float_format_input,
+    min_max_reference,
     ptq,
     qat_converted,
     run_in_fresh_process,
@@ -134,6 +135,30 @@ def test_a_dynamic_batch_program_runs_at_every_batch_size(tmp_path):
                     assert all(torch.equal(g, e) for g, e in zip(torch.utils._pytree.tree_leaves(got),
                                                                  torch.utils._pytree.tree_leaves(expected)))
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("block", [(2, 8), (3, 16), (16, 1)], ids=str)
+def test_a_dynamic_per_block_point_spanning_the_batch_runs_at_every_batch_size(block, tmp_path):
+    # Blocks of 2, 3 and 16 rows (more than the example's 8) along a dynamic
+    # batch: comparing the batch with its block while tracing guarded the
+    # program to the example's answer (batch >= 2, batch % 2 == 0), so it
+    # refused batch 0, 1 and odd sizes, and Dim("batch") failed to save.
+    act = q.QSpec(q.INT8, q.PerBlock(block), "asymmetric", dynamic=True)
+    weight = q.QSpec(q.INT8, q.PerChannel(0), "symmetric_narrow")
+    linear = torch.nn.Linear(16, 4)
+    model = ptq(act, weight, model=torch.nn.Sequential(linear), shape=(8, 16),
+                dynamic_shapes=({0: torch.export.Dim("batch")},))
+    for i, dim in enumerate((torch.export.Dim.AUTO, torch.export.Dim("batch"))):
+        path = tmp_path / f"m-{i}.pt2"
+        saved = q.save(model, (torch.randn(8, 16),), path, dynamic_shapes=({0: dim},))
+        for b in (0, 1, 2, 5, 8, 20):
+            x = torch.randn(b, 16, generator=torch.Generator().manual_seed(b))
+            # The input and output points are dynamic; the weight point's range is the weight's.
+            hidden = torch.nn.functional.linear(min_max_reference(act, x), min_max_reference(weight, linear.weight.detach()),
+                                                linear.bias)
+            expected = min_max_reference(act, hidden)
+            for program in (saved, q.load(path)):
+                assert torch.equal(program.module()(x), expected), (dim, b)
 
 
 def test_attention_with_a_dynamic_length_from_1_saves_and_runs_at_every_length(tmp_path):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
+import math
 import subprocess
 import sys
 import textwrap
@@ -35,6 +37,23 @@ def ptq(activation, weight, output=None, model=None, shape=(2, 3, 6, 6), dynamic
     for s in range(1, 5):
         gm(batch(s, shape))
     return convert_pt2e(gm) if convert else gm
+
+
+def min_max_reference(spec: q.QSpec, x: torch.Tensor) -> torch.Tensor:
+    """x fake-quantized by an integer `spec` with the qparams of x's own
+    per-block range (what a dynamic point computes), from the definitions:
+    each block's min and max by a loop over the blocks, the qparams of that
+    range (tests/fake_quantize/test_observers.py checks them against hand
+    values), then reference.fake_quantize_affine. For finite x."""
+    bs = spec.granularity.block_size(x.shape)
+    red = [math.ceil(s / b) for s, b in zip(x.shape, bs)]
+    lo, hi = torch.empty(red), torch.empty(red)
+    for idx in itertools.product(*map(range, red)):
+        block = x[tuple(slice(i * b, (i + 1) * b) for i, b in zip(idx, bs))]
+        lo[idx], hi[idx] = block.min(), block.max()
+    p = spec.kind.qparams_from_range(spec, lo, hi, x.dtype)
+    qmin, qmax = spec.quant_range
+    return reference.fake_quantize_affine(x, bs, p["scale"], p.get("zero_point"), qmin, qmax, p.get("minval"))[0]
 
 
 QAT_SPECS = (
