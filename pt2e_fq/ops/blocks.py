@@ -17,10 +17,18 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 def reduced_shape(shape: Sequence[int], block_size: Sequence[int]) -> tuple[int, ...]:
     """The shape of the per-block qparams: ceil(shape / block_size). A block
-    of 0 (allowed on a dimension of size 0, see `check_block_size`) is one
-    block: per-tensor `block_size = x.shape` keeps a one-element scale when x
-    is empty."""
-    return tuple(1 if b == 0 else -(-s // b) for s, b in zip(shape, block_size))
+    the size of its dimension is one block, also where that size is 0 (a
+    block of 0 is allowed there, see `check_block_size`): per-tensor
+    `block_size = x.shape` keeps a one-element scale when x is empty, and on
+    a dynamic batch, where the block is the symbolic batch itself, without
+    dividing by it.
+
+    Other blocks count (s + b - 1) // b, a floor division of nonnegative
+    sizes: on a symbolic size (a dynamic batch) it is traced into the
+    program, and the ONNX exporter writes a symbolic floor division as an
+    integer Div, which truncates, so -(-s // b) would come out as
+    floor(s / b) there."""
+    return tuple(1 if statically_known_true(b == s) else (s + b - 1) // b for s, b in zip(shape, block_size))
 
 
 # The largest block_size entry: the operators take 64-bit ints.

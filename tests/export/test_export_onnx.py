@@ -16,6 +16,7 @@ from tests.models.quantized import (
     batch,
     fake_quant_nodes,
     float_format_input,
+    min_max_reference,
     ptq,
     qat_converted,
 )
@@ -23,6 +24,7 @@ from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
 import pt2e_fq as q
 from pt2e_fq.export import check_onnx, to_onnx
+from pt2e_fq.export.onnx.session import ort_session
 from quantizers import FakeQuantQuantizer, presets
 
 INT8_ASYM = q.QSpec(q.INT8, scheme="asymmetric")
@@ -199,6 +201,23 @@ def _standalone_point(spec, x):
     point(x)
     point.convert(point, None)
     return point
+
+
+@pytest.mark.parametrize("rows", [2, 3])
+def test_a_dynamic_point_blocked_along_a_dynamic_batch_runs_at_every_batch_size(rows, tmp_path):
+    """The block count ceil(batch / rows) is computed in the graph: the
+    exporter writes a symbolic floor division as ONNX's truncating Div, so
+    -(-batch // rows) came out as floor(batch / rows) there and ONNX Runtime
+    refused the scale at every batch size that is not a multiple of rows."""
+    spec = q.QSpec(q.INT8, q.PerBlock((rows, 1)), "asymmetric", dynamic=True)
+    point = _standalone_point(spec, torch.randn(8, 16))
+    path = tmp_path / "point.onnx"
+    to_onnx(point, (torch.randn(8, 16),), path, dynamic_shapes=({0: torch.export.Dim("batch")},))
+    session = ort_session(path)
+    for b in (0, 1, 2, 5):
+        x = torch.randn(b, 16, generator=torch.Generator().manual_seed(b))
+        (y,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+        assert torch.equal(torch.from_numpy(y), min_max_reference(spec, x)), b
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
