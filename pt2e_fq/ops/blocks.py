@@ -155,7 +155,7 @@ def reduce_dims(t: torch.Tensor, dims: Sequence[int], reduce, identity: float) -
     below every one reduced). Callers' eager checks of an empty x are
     settled once when a program is traced, and a dynamic batch of a saved
     program can be 0, where amin / amax over it would raise: the dimensions
-    not known to be non-empty are reduced last, over their values and one
+    not known to be non-empty are reduced last, each padded with one
     `identity`, bit for bit the same result (min and max do not round, and
     the identity changes no value). Sums take any size, directly."""
     if reduce is not torch.amin and reduce is not torch.amax:
@@ -168,14 +168,13 @@ def reduce_dims(t: torch.Tensor, dims: Sequence[int], reduce, identity: float) -
         t = reduce(t, dim=tuple(sure), keepdim=True)
     if not rest:
         return t
-    keep = [d for d in range(t.dim()) if d not in rest]
-    kept = [t.shape[d] for d in keep]
-    n = 1
+    # Padded in place: moving the symbolic dimensions last (a permute) would
+    # guard the program to sizes other than 1 wherever another dimension kept
+    # is not 1 (a dynamic per-channel point's blocks span the batch).
+    pad = [0] * (2 * t.dim())
     for d in rest:
-        n = n * t.shape[d]
-    flat = t.permute(keep + rest).reshape(kept + [n])
-    flat = torch.cat([flat, flat.new_full(kept + [1], identity)], dim=-1)
-    return reduce(flat, dim=-1).reshape([1 if d in rest else t.shape[d] for d in range(t.dim())])
+        pad[2 * (t.dim() - 1 - d) + 1] = 1  # F.pad lists the last dimension first
+    return reduce(torch.nn.functional.pad(t, pad, value=identity), dim=tuple(rest), keepdim=True)
 
 
 def expand_blocks(t: torch.Tensor, shape: Sequence[int], block_size: Sequence[int]) -> torch.Tensor:

@@ -137,13 +137,16 @@ def test_a_dynamic_batch_program_runs_at_every_batch_size(tmp_path):
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("block", [(2, 8), (3, 16), (16, 1)], ids=str)
-def test_a_dynamic_per_block_point_spanning_the_batch_runs_at_every_batch_size(block, tmp_path):
+@pytest.mark.parametrize("granularity", [q.PerBlock((2, 8)), q.PerBlock((3, 16)), q.PerBlock((16, 1)),
+                                         q.PerChannel(1)], ids=repr)
+def test_a_dynamic_point_blocked_along_the_batch_runs_at_every_batch_size(granularity, tmp_path):
     # Blocks of 2, 3 and 16 rows (more than the example's 8) along a dynamic
     # batch: comparing the batch with its block while tracing guarded the
     # program to the example's answer (batch >= 2, batch % 2 == 0), so it
     # refused batch 0, 1 and odd sizes, and Dim("batch") failed to save.
-    act = q.QSpec(q.INT8, q.PerBlock(block), "asymmetric", dynamic=True)
+    # Per channel, each block is the whole batch: reducing over it guarded
+    # batch != 1.
+    act = q.QSpec(q.INT8, granularity, "asymmetric", dynamic=True)
     weight = q.QSpec(q.INT8, q.PerChannel(0), "symmetric_narrow")
     linear = torch.nn.Linear(16, 4)
     model = ptq(act, weight, model=torch.nn.Sequential(linear), shape=(8, 16),

@@ -46,11 +46,12 @@ def min_max_reference(spec: q.QSpec, x: torch.Tensor) -> torch.Tensor:
     range (tests/fake_quantize/test_observers.py checks them against hand
     values), then reference.fake_quantize_affine. For finite x."""
     bs = spec.granularity.block_size(x.shape)
-    red = [math.ceil(s / b) for s, b in zip(x.shape, bs)]
+    red = [math.ceil(s / b) if b else 1 for s, b in zip(x.shape, bs)]  # a block of 0 spans an empty dimension
     lo, hi = torch.empty(red), torch.empty(red)
     for idx in itertools.product(*map(range, red)):
         block = x[tuple(slice(i * b, (i + 1) * b) for i, b in zip(idx, bs))]
-        lo[idx], hi[idx] = block.min(), block.max()
+        # An empty block has the empty range (lo > hi), whose qparams are [0, 0]'s.
+        lo[idx], hi[idx] = (block.min(), block.max()) if block.numel() else (math.inf, -math.inf)
     p = spec.kind.qparams_from_range(spec, lo, hi, x.dtype)
     qmin, qmax = spec.quant_range
     return reference.fake_quantize_affine(x, bs, p["scale"], p.get("zero_point"), qmin, qmax, p.get("minval"))[0]
