@@ -149,6 +149,7 @@ def test_a_dynamic_point_blocked_along_the_batch_runs_at_every_batch_size(granul
     act = q.QSpec(q.INT8, granularity, "asymmetric", dynamic=True)
     weight = q.QSpec(q.INT8, q.PerChannel(0), "symmetric_narrow")
     linear = torch.nn.Linear(16, 4)
+    weight_q = min_max_reference(weight, linear.weight.detach())
     model = ptq(act, weight, model=torch.nn.Sequential(linear), shape=(8, 16),
                 dynamic_shapes=({0: torch.export.Dim("batch")},))
     for i, dim in enumerate((torch.export.Dim.AUTO, torch.export.Dim("batch"))):
@@ -157,8 +158,7 @@ def test_a_dynamic_point_blocked_along_the_batch_runs_at_every_batch_size(granul
         for b in (0, 1, 2, 5, 8, 20):
             x = torch.randn(b, 16, generator=torch.Generator().manual_seed(b))
             # The input and output points are dynamic; the weight point's range is the weight's.
-            hidden = torch.nn.functional.linear(min_max_reference(act, x), min_max_reference(weight, linear.weight.detach()),
-                                                linear.bias)
+            hidden = torch.nn.functional.linear(min_max_reference(act, x), weight_q, linear.bias)
             expected = min_max_reference(act, hidden)
             for program in (saved, q.load(path)):
                 assert torch.equal(program.module()(x), expected), (dim, b)
