@@ -14,6 +14,10 @@ nodes are constants (`is_constant`), a point's name, module path and role
 check that no point holds non-finite qparams (`check_finite_qparams`), and
 `as_args`: example inputs as the positional-argument tuple torch.export,
 the prepared model and the exporters take (a single tensor is one argument).
+A lowered program's quantize / dequantize ops (export/lowering/qdq.py) are
+read here too: `is_qdq_node` tells every such op, `decode_qdq` turns a call
+of one the report reads (QUANTIZE_OPS, DEQUANTIZE_OPS) into the OpCall of
+the integer fake-quant op that computes the same grid.
 An input rotation's matrix (pt2e_fq.calib.rotation) is no weight: its
 buffer's name (`ROTATION_BUFFER`), which survives export, says so.
 """
@@ -21,13 +25,15 @@ buffer's name (`ROTATION_BUFFER`), which survives export, says so.
 from __future__ import annotations
 
 import functools
+import math
 import operator
 from typing import Any, Mapping, Optional
 
 import torch
 
 from .fake_quantize import FakeQuantize, NonFiniteQParamsError, nonfinite_entry
-from .spec.format_kinds import KINDS, FormatKind, OpCall
+from .spec.format_kinds import INTEGER, KINDS, FormatKind, OpCall
+from .spec.formats import IntFormat
 
 aten = torch.ops.aten
 
@@ -50,11 +56,16 @@ def decode(op, args: tuple, kwargs: Optional[Mapping[str, Any]] = None) -> OpCal
     kind = _kind(op)
     if kind is None:
         raise ValueError(f"{op} is not a pt2e_fq fake-quant op; known: {', '.join(map(str, fake_quant_ops()))}")
+    return kind.decode(op, _by_name(op, args, kwargs))
+
+
+def _by_name(op, args: tuple, kwargs: Optional[Mapping[str, Any]]) -> dict[str, Any]:
+    """A call's arguments by schema name; defaults fill what it left out."""
     schema = op._schema.arguments
     values = {a.name: a.default_value if a.has_default_value() else None for a in schema}
     values.update(zip((a.name for a in schema), args))
     values.update(kwargs or {})
-    return kind.decode(op, values)
+    return values
 
 
 def is_fake_quant_node(node: torch.fx.Node) -> bool:
@@ -184,16 +195,19 @@ def role(point: torch.fx.Node) -> tuple[str, str]:
     return point_role(point.args[0], point)
 
 
-def point_role(src: torch.fx.Node, point: torch.fx.Node) -> tuple[str, str]:
+def point_role(src: torch.fx.Node, point: torch.fx.Node, *copies: torch.fx.Node) -> tuple[str, str]:
     """(module path, role) of a point reading `src`, whose fake-quantized
-    value is the node `point` (a call_module, or getitem 0 of an op call)."""
-    users = list(point.users)
+    value is the node `point` (a call_module, getitem 0 of an op call, or a
+    dequantize) and its `copies` (the lowering gives each user of a
+    dequantize its own)."""
+    users = [u for value in (point, *copies) for u in value.users]
     if is_constant(src):
         user = users[0]
+        value = next((v for v in (point, *copies) if v in user.args), point)
         # A constant operand is a weight (linear, conv, embedding, matmul), except a bias
         # (argument 2; addmm(bias, x, weight): argument 0).
         bias_arg = 0 if user.target is torch.ops.aten.addmm.default else 2
-        kind = "bias" if point in user.args and list(user.args).index(point) == bias_arg else "weight"
+        kind = "bias" if value in user.args and list(user.args).index(value) == bias_arg else "weight"
         return module_path(user), f"{kind} of {user.name}"
     consumers = [u.name for u in users if u.op != "output"]
     if src.op == "placeholder":
@@ -236,3 +250,65 @@ def check_finite_qparams(program: torch.export.ExportedProgram, who: str) -> Non
             f"{who}: {len(found)} fake-quant point(s) have non-finite qparams: {'; '.join(found)}; "
             "recalibrate on data with finite values or set finite qparams before exporting"
         )
+
+
+# -- the quantize / dequantize representation ---------------------------------------
+
+_qd, _tao = torch.ops.quantized_decomposed, torch.ops.torchao
+# The quantize and dequantize ops the lowering writes (export/lowering/qdq.py): an
+# activation's pair, a weight's dequantize of integer codes, the per-token chain's
+# quantize_affine / dequantize_affine behind torchao's choose_qparams_affine.
+QUANTIZE_OPS = (_qd.quantize_per_tensor.default, _qd.quantize_per_channel.default, _tao.quantize_affine.default)
+DEQUANTIZE_OPS = (_qd.dequantize_per_tensor.default, _qd.dequantize_per_channel.default,
+                  _tao.dequantize_affine.default)
+CHOOSE_QPARAMS_OP = _tao.choose_qparams_affine.default
+
+
+def is_qdq_node(node: torch.fx.Node) -> bool:
+    """A call of any PT2E quantize, dequantize or choose-qparams op
+    (quantized_decomposed, torchao), read or not."""
+    name = getattr(node.target, "__name__", "")
+    return (node.op == "call_function" and getattr(node.target, "namespace", None) in ("quantized_decomposed", "torchao")
+            and ("quantize" in name or "choose_qparams" in name))
+
+
+def decode_qdq(op, args: tuple, kwargs: Optional[Mapping[str, Any]] = None) -> OpCall:
+    """The OpCall (kind INTEGER) of a call of one of QUANTIZE_OPS or
+    DEQUANTIZE_OPS given as tensor values: x is the op's input (a quantize's
+    floats, a dequantize's codes), the block size per dimension of x, and
+    scale and zero point (None where the call has none) shaped
+    ceil(x.shape / block_size), as the fake-quant op takes them; the integer
+    range defaults to that of the codes' dtype, as in torchao's ops.
+
+    Raises:
+        ValueError: op is not one of those, or its qparams do not fit its input's blocks."""
+    if op not in QUANTIZE_OPS + DEQUANTIZE_OPS:
+        raise ValueError(f"{op} is not a quantize / dequantize op the report reads")
+    values = _by_name(op, args, kwargs)
+    x = values["input"]
+    shape = tuple(x.shape)
+    if op in (_qd.quantize_per_tensor.default, _qd.dequantize_per_tensor.default):
+        block, scale, zero_point = shape, values["scale"], values["zero_point"]
+    elif op in (_qd.quantize_per_channel.default, _qd.dequantize_per_channel.default):
+        axis = values["axis"] % len(shape)
+        block = tuple(1 if d == axis else s for d, s in enumerate(shape))
+        scale, zero_point = values["scales"], values["zero_points"]
+    else:
+        block, scale, zero_point = tuple(values["block_size"]), values["scale"], values["zero_point"]
+    # The codes' dtype: quantized_decomposed's "dtype", quantize_affine's "output_dtype",
+    # dequantize_affine's "input_dtype".
+    dtype = values.get("dtype") or (values["input_dtype"] if op in DEQUANTIZE_OPS else values["output_dtype"])
+    info = torch.iinfo(dtype)
+    qmin = info.min if values["quant_min"] is None else int(values["quant_min"])
+    qmax = info.max if values["quant_max"] is None else int(values["quant_max"])
+    reduced = [-(-s // min(b, s)) if s else 1 for s, b in zip(shape, block)]
+
+    def shaped(t, dtype):
+        t = torch.as_tensor(t, dtype=dtype) if not isinstance(t, torch.Tensor) else t
+        if t.numel() != math.prod(reduced):
+            raise ValueError(f"{op}: {t.numel()} qparams for blocks {block} of an input of shape {shape}")
+        return t.reshape(reduced)
+
+    return OpCall(op, INTEGER, IntFormat.holding(qmin, qmax), x, block, scale=shaped(scale, torch.float32),
+                  zero_point=None if zero_point is None else shaped(zero_point, torch.int64),
+                  quant_min=qmin, quant_max=qmax)

@@ -105,17 +105,29 @@ def test_a_preset_is_laid_out_for_the_target():
     assert config(preset="w8a8-dyn", target="xnnpack") == presets.get_preset("w8a8-dyn")
 
 
-def test_report_of_a_lowered_qdq_program_says_what_it_is(capsys, tmp_path):
+def test_report_of_a_lowered_qdq_program_lists_its_points_as_the_fake_quant_one_does(capsys, tmp_path):
     """A q/dq program has quantize / dequantize ops where the fake-quant
-    program had points: the report must not say that nothing is quantized."""
-    lowered = tmp_path / "qdq.pt2"
+    program had points: the same rows and weight bytes, read from them."""
+    fq, lowered = tmp_path / "fq.pt2", tmp_path / "qdq.pt2"
+    rc, _, err = _main(capsys, *QUANTIZE, "--preset", "w8a8", "--out", str(fq))
+    assert rc == 0, err
     rc, _, err = _main(capsys, *QUANTIZE, "--preset", "w8a8", "--out", str(lowered), "--target", "generic")
     assert rc == 0, err
     program = pt2e_fq.load(lowered)
-    qdq = [n for n in program.graph.nodes if n.op == "call_function" and str(n.target).startswith("quantized_decomposed.")]
-    assert qdq and any(v.dtype == torch.int8 for v in {**program.state_dict, **program.constants}.values())
-    rc, out, err = _main(capsys, "report", str(lowered))
-    assert rc == 0, err
-    assert "nothing is quantized" not in out
-    assert out.strip().splitlines()[-1].startswith(f"a lowered q/dq program ({len(qdq)} quantize / dequantize ops;")
-    assert "report the program saved before lowering" in out
+    assert not [n for n in program.graph.nodes if str(n.target).startswith("pt2e_fq.")]
+    tables = {}
+    for path in (fq, lowered):
+        rc, out, err = _main(capsys, "report", str(path))
+        assert rc == 0, err
+        tables[path] = out.strip().splitlines()
+    fq_lines, qdq_lines = tables[fq], tables[lowered]
+    assert qdq_lines[0].split() == fq_lines[0].split()  # the same columns
+    # tiny_mlp: linears 32x16 and 4x32 with biases; int8 codes, an fp32 scale and an int8 zero point per row.
+    float_bytes, quantized = (512 + 32 + 128 + 4) * 4, (512 + 128) + 36 * (4 + 1) + 36 * 4
+    summary = f"weights: {float_bytes:,} bytes in float, {quantized:,} bytes quantized ({100 * quantized / float_bytes:.1f}%)"
+    assert qdq_lines[-1] == fq_lines[-1] == summary
+    weights = [line for line in qdq_lines if "weight of" in line]
+    assert len(weights) == 2
+    assert all("INT8 [-127, 127] symmetric" in line and "PerChannel(axis=0)" in line for line in weights)
+    assert sum(" input of " in line for line in qdq_lines) == sum(" input of " in line for line in fq_lines) == 2
+    assert qdq_lines[-2].startswith("note: n/a: 2 weight(s) held as integer codes")

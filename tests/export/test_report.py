@@ -114,6 +114,7 @@ WEIGHT_GRANULARITY = {
     "fp8": "PerChannel(axis=0)",
     "mxfp8": "PerGroup(group_size=32, axis=1) dynamic",
     "nvfp4": "PerGroup(group_size=16, axis=1)",
+    "w8a8-dyn": "PerChannel(axis=0)",  # its activations per token (PerToken() dynamic, as the model says)
 }
 
 
@@ -142,7 +143,8 @@ def test_a_saved_program_reports_what_its_model_reports(preset, tmp_path):
     assert from_program.float_weight_bytes == from_model.float_weight_bytes
     weight = next(r for r in from_program.rows if r["role"] == "weight of linear")
     assert weight["granularity"] == WEIGHT_GRANULARITY[preset]
-    int_ranges = {"w8a8": "INT8 [-127, 127]", "w4a8": "INT4 [-8, 7]", "w4a16": "INT4 [-8, 7] minval"}
+    int_ranges = {"w8a8": "INT8 [-127, 127]", "w4a8": "INT4 [-8, 7]", "w4a16": "INT4 [-8, 7] minval",
+                  "w8a8-dyn": "INT8 [-128, 127]"}
     assert weight["format"] == int_ranges.get(preset, by_point[weight["point"]]["format"])
 
 
