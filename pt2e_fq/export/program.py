@@ -36,7 +36,11 @@ def no_new_stack_traces(enabled: bool = True) -> Iterator[None]:
     export's time, for a trace through torch and pt2e_fq internals that
     tells the user nothing. Inside this block torch captures none
     (torch.fx.config.do_not_emit_stack_traces); the stack traces that come
-    from the model's own graph are kept."""
+    from the model's own graph are kept. torch 2.11 has no such switch: there
+    the block changes nothing, and export is slower, not different."""
+    if not hasattr(torch.fx.config, "do_not_emit_stack_traces"):
+        yield
+        return
     previous = torch.fx.config.do_not_emit_stack_traces
     torch.fx.config.do_not_emit_stack_traces = enabled or previous
     try:

@@ -13,10 +13,13 @@ reads the file: an UnsafeArchiveError. It reads the archive's JSON, and
 its sample inputs with torch.load(weights_only=True), which unpickles
 tensors and containers only.
 
-A call target that is not an operator (the file can name any attribute of
-`torch`, `math` or `operator`) needs no check here: torch.export.load's
-verifier refuses it while loading (a SpecViolationError), before the
-program can run.
+A node's call target can name any attribute of `torch`, `math` or
+`operator` (torch resolves it with getattr and the graph calls it). Newer
+torch releases refuse one that is not an operator in their verifier, torch
+2.11 in another way; `check_archive` refuses it itself, whatever the
+release: a target must resolve, as torch resolves it, to an operator
+overload, a higher-order operator or one of the symbolic-shape functions
+torch's serializer writes.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import ast
 import builtins
 import io
 import json
+import math
+import operator
 import os
 import re
 import zipfile
@@ -33,6 +38,7 @@ from typing import Any, Iterator
 import sympy
 import torch
 import torch.export.pt2_archive.constants as layout
+from torch._export.serde.serialize import _SYM_OPS
 
 
 class UnsafeArchiveError(ValueError):
@@ -152,8 +158,35 @@ def _check_model(path, member: str, model: Any, types: dict[str, str]) -> None:
     for key, value in _items(model):
         if key == "expr_str":
             _check_expression(path, member, value)
+        elif key == "target" and isinstance(value, str):
+            _check_target(path, member, value)
         elif key in ("in_spec", "out_spec") and isinstance(value, str):
             _check_spec(path, member, json.loads(value)[1], f"{member}: {key}", types)  # [protocol version, root]
+
+
+# The modules torch's deserializer resolves a target in, by its first name.
+_TARGET_ROOTS = {"torch": torch, "_operator": operator, "math": math}
+
+
+def _check_target(path, member: str, target: str) -> None:
+    """A node's call target, resolved as torch.export.load resolves it
+    (getattr from the root its first name names; nothing is called)."""
+    root, *names = target.split(".")
+    resolved = _TARGET_ROOTS.get(root)
+    for name in names if resolved is not None else ():
+        resolved = getattr(resolved, name, None)
+    if isinstance(resolved, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)) or (
+            root in _TARGET_ROOTS and _hashable(resolved) and resolved in _SYM_OPS):
+        return
+    raise UnsafeArchiveError(path, member, f"calls {target!r}, not an operator")
+
+
+def _hashable(value) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
 
 
 def _items(value) -> Iterator[tuple[str, Any]]:

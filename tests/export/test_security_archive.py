@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.export.pt2_archive.constants as layout
 
 import pt2e_fq
 from pt2e_fq.export import UnsafeArchiveError
@@ -157,6 +158,8 @@ def test_torch_runs_the_payload_and_pt2e_fq_load_refuses_it(saved, tmp_path, cas
     assert not marker.exists()
     assert error.value.member == member and error.value.what.startswith(what), error.value
     assert str(error.value).startswith(f"load: {str(path)!r}: {member} {what}")
+    if case == "opaque constant" and not hasattr(layout, "OPAQUE_OBJ_FILENAME_PREFIX"):
+        return  # torch 2.11 reads no opaque constants: refusing the member is all there is to check
     try:
         torch.export.load(path)
     except Exception:  # noqa: BLE001 - the payload runs before torch finds the file unusable
@@ -257,18 +260,24 @@ def test_a_member_of_the_older_archive_format_is_refused(saved, tmp_path):
         pt2e_fq.load(path)
 
 
-def test_a_call_target_that_is_not_an_operator_is_refused_while_loading(saved, tmp_path):
-    """The file can name any attribute of torch as a call target; torch's
-    verifier refuses it while loading, before the program can run."""
+@pytest.mark.parametrize("target", ["torch.os.getcwd", "torch.ops.load_library.__call__", "builtins.exec",
+                                    "torch.ops.aten.no_such_op.default"])
+def test_a_call_target_that_is_not_an_operator_is_refused(saved, tmp_path, target):
+    """The file can name any attribute of torch as a call target (torch
+    resolves it with getattr and the graph calls it). torch's own verifier
+    refuses some of these in ways that differ between releases; the archive
+    check refuses each, naming it, before torch reads the file."""
     def change(model):
         node = _first(model, "target")
         assert node["target"].startswith("torch.ops.")
-        node["target"] = "torch.os.getcwd"
+        node["target"] = target
         return model
 
     path = _tampered(saved, tmp_path / "tampered.pt2", _model_json(change))
-    with pytest.raises(Exception, match="is not an allowed operator type"):
+    with pytest.raises(UnsafeArchiveError) as error:
         pt2e_fq.load(path)
+    assert error.value.member == "archive/models/model.json"
+    assert error.value.what == f"calls {target!r}, not an operator"
 
 
 def test_the_saved_program_loads_and_runs_at_another_batch(saved, model):

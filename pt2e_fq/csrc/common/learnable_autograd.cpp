@@ -15,6 +15,7 @@
 
 #include <vector>
 
+#include "autograd_node.h"
 #include "op_names.h"
 
 namespace pt2e_fq {
@@ -89,9 +90,9 @@ void learnable_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
         !t->defined() || !t->_fw_grad(/*level=*/0).defined(), op_names::kLearnable,
         ": forward-mode AD (jvp, jacfwd) is not supported; its backward is reverse mode only");
   }
-  c10::intrusive_ptr<LearnableBackward> node;
+  NodePtr<LearnableBackward> node;
   if (torch::autograd::compute_requires_grad(x, scale, zero_point, minval)) {
-    node = c10::make_intrusive<LearnableBackward>();
+    node = make_node<LearnableBackward>();
     node->set_next_edges(torch::autograd::collect_next_edges(x, scale, zero_point, minval));
     node->x_ = SavedVariable(x, /*is_output=*/false);
     node->scale_ = SavedVariable(scale, false);

@@ -31,6 +31,8 @@
 #include <string>
 #include <vector>
 
+#include "autograd_node.h"
+
 namespace pt2e_fq {
 namespace {
 
@@ -145,7 +147,7 @@ void ste_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
   const at::Tensor mask =
       mask_is_input ? input_mask : (*stack)[stack->size() - num_returns + 1].toTensor();
   if (record) {
-    auto node = c10::make_intrusive<SteBackward>(node_name(schema.name()));
+    auto node = make_node<SteBackward>(node_name(schema.name()));
     node->set_next_edges(torch::autograd::collect_next_edges(x));
     node->mask_ = SavedVariable(mask, /*is_output=*/false);
     torch::autograd::set_history(y, node);
