@@ -9,6 +9,11 @@ A test that runs the CUDA kernels carries the `requires_cuda_kernels` marker
 (a whole file through `pytestmark`, or the "cuda" case of `DEVICES`); where
 they cannot run it is skipped with the reason (`pytest -rs` prints it), and
 `pytest -m requires_cuda_kernels` selects every such test.
+
+A test of something an older torch than CI's gets wrong in torch itself
+(its exporter, its fake tensors) carries `needs_torch("2.13", why)`: on the
+older torch the project admits (2.11, the GPU machine's) it is skipped with
+that reason.
 """
 
 from __future__ import annotations
@@ -55,6 +60,11 @@ def cuda_kernels_missing() -> Optional[str]:
     return None
 
 
+def torch_release(version: str) -> tuple[int, ...]:
+    """(major, minor) of a torch version string: "2.11.0+cu130" -> (2, 11)."""
+    return tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+
+
 def pytest_configure(config):
     # Under pytest-xdist (make test: -n auto) each worker gets its share of
     # the cores, so that N workers do not each start a thread per core.
@@ -66,15 +76,23 @@ def pytest_configure(config):
         "requires_cuda_kernels: runs pt2e_fq's CUDA kernels; skipped, with the reason, where there is "
         "no CUDA device or pt2e_fq was built without them",
     )
+    config.addinivalue_line(
+        "markers",
+        "needs_torch(version, why): behaviour of torch's own that an older torch the project admits "
+        "(pyproject: torch >= 2.11) lacks; skipped there, with why",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
     reason = cuda_kernels_missing()
-    if reason is None:
-        return
+    release = torch_release(torch.__version__)
     for item in items:
-        if item.get_closest_marker("requires_cuda_kernels") is not None:
+        if reason is not None and item.get_closest_marker("requires_cuda_kernels") is not None:
             item.add_marker(pytest.mark.skip(reason=reason))
+        needs = item.get_closest_marker("needs_torch")
+        if needs is not None and release < torch_release(needs.args[0]):
+            item.add_marker(pytest.mark.skip(
+                reason=f"needs torch >= {needs.args[0]} (this is {torch.__version__}): {needs.args[1]}"))
 
 
 def to_device(args, device: str) -> tuple:

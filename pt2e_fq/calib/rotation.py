@@ -169,7 +169,17 @@ def _set_fake_values(value: torch.Tensor, matrix: torch.Tensor, steps: list, nod
         fake_matrix = mode.from_tensor(matrix, static_shapes=True)  # a constant: no symbolic sizes
         vals, last = [fake_matrix], value
         for op, args in steps:
-            last = op(last, *(fake_matrix if a is None else a for a in args))
+            try:
+                last = op(last, *(fake_matrix if a is None else a for a in args))
+            except RuntimeError as e:
+                if "symbolic sizes" not in str(e):
+                    raise
+                # torch 2.11's aten.linear asks a tensor of rank >= 3 with a
+                # symbolic size for its numel(); torch 2.13 does not.
+                raise NotImplementedError(
+                    f"input rotation: torch {torch.__version__} cannot trace aten.linear on the "
+                    f"{tuple(value.shape)} input of a rotation ({e.args[0].splitlines()[0]}); rotate a model "
+                    "exported with static shapes, or use torch >= 2.13") from None
             vals.append(last)
     for node, val in zip(nodes, vals):
         node.meta["val"] = val

@@ -164,6 +164,7 @@ def test_a_dynamic_point_blocked_along_the_batch_runs_at_every_batch_size(granul
                 assert torch.equal(program.module()(x), expected), (dim, b)
 
 
+@pytest.mark.needs_torch("2.13", "torch 2.11's export of attention with a length from 1 calls numel() on a symbolic size inside aten.linear (RuntimeError)")
 def test_attention_with_a_dynamic_length_from_1_saves_and_runs_at_every_length(tmp_path):
     # torch's matmul of 4-D operands (q @ k.transpose(2, 3)) reshapes them to
     # 3-D; export with size-oblivious reasoning guards a length != 1 there and

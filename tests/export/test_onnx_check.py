@@ -98,7 +98,8 @@ def _converted(model, preset, x):
 
 @pytest.mark.parametrize(
     "model, preset",
-    [(InPlaceResidual, "w8a8"), (TwinBranches, "w8a8"), (FoldedPosition, "w8a8"), (FoldedPosition, "fp8"),
+    [(InPlaceResidual, "w8a8"), (TwinBranches, "w8a8"), pytest.param(FoldedPosition, "w8a8", marks=pytest.mark.needs_torch("2.13", "torch 2.11's ONNX exporter fails to decompose a parameter scaled by a Python number (AssertionError: Expected same OpOverload packet, got prim.device != aten.mul)")),
+     pytest.param(FoldedPosition, "fp8", marks=pytest.mark.needs_torch("2.13", "torch 2.11's ONNX exporter fails to decompose a parameter scaled by a Python number (AssertionError: Expected same OpOverload packet, got prim.device != aten.mul)")),
      (PositionEmbedding, "fp8"), (PositionEmbedding, "mxfp8")],
     ids=["in-place-after-point", "twin-points-merged", "w8a8-point-on-a-folded-constant",
          "fp8-point-on-a-folded-constant", "fp8-point-on-a-parameter", "mxfp8-point-on-a-parameter"],

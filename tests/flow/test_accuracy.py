@@ -41,7 +41,7 @@ def _weight_codes(converted: torch.fx.GraphModule) -> list[tuple[int, int]]:
     return found
 
 
-@pytest.mark.parametrize("name", STOCK_QUANTIZERS)
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.needs_torch("2.13", "torchao 0.18's X86InductorQuantizer annotates no linear or convolution of an exported graph on torch 2.11 (one observer on a Linear-ReLU-Linear), so there is no stock layout to compare with")) if name == "X86InductorQuantizer" else name for name in STOCK_QUANTIZERS])
 @pytest.mark.parametrize("weight_bits, allowed", [(8, (-128, 127)), (4, (-8, 7))])
 def test_stock_flows_store_weight_codes_of_the_width_asked_for(name, weight_bits, allowed):
     torch.manual_seed(0)

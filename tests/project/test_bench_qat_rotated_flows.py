@@ -25,6 +25,7 @@ class _Mlp(nn.Module):
         return self.down(nn.functional.gelu(self.up(self.ln(x))))
 
 
+@pytest.mark.needs_torch("2.13", "torch 2.11's fake-tensor aten.linear calls numel() on a rank >= 3 input with a symbolic batch, which a rotation of such an input traces (input rotation then raises NotImplementedError there)")
 @pytest.mark.parametrize("flow, asymmetric", [("ours rotated", False), ("ours rotated, asymmetric int4", True)])
 def test_rotated_flows(flow, asymmetric):
     torch.manual_seed(0)

@@ -61,6 +61,7 @@ def _quantized_add_inputs(quantizer) -> list:
     return [sorted(observed(a) for a in add.args) for add in adds]
 
 
+@pytest.mark.needs_torch("2.13", "torchao 0.18's X86InductorQuantizer annotates no linear or convolution of an exported graph on torch 2.11 (one observer on a Linear-ReLU-Linear), so there is no stock layout to compare with")
 @pytest.mark.parametrize("fuse", [True, False])
 def test_points_around_each_residual_add_are_torchaos_x86_inductor_quantizers(fuse):
     from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (

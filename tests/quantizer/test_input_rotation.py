@@ -242,6 +242,7 @@ def test_quantizer_rotates_conv_inputs_and_keeps_the_rotation_float():
             assert all(a.op != "call_module" for a in node.all_input_nodes), node.name
 
 
+@pytest.mark.needs_torch("2.13", "torch 2.11's fake-tensor aten.linear calls numel() on a rank >= 3 input with a symbolic batch, which a rotation of such an input traces (input rotation then raises NotImplementedError there)")
 def test_ptq_algorithms_leave_the_rotations_alone():
     """Equalisation, GPTQ and bias correction on a rotated model: each
     rotation matrix (one buffer shared by every rotation of its block size)
