@@ -84,3 +84,37 @@ def test_bench_ops_refuses_the_previous_kernels_on_cpu():
     done = bench("bench_ops.py", "--device", "cpu", "--previous-kernels", "--only", "int8 per-tensor")
     assert done.returncode == 2
     assert "--previous-kernels: the previous kernels are CUDA kernels" in done.stderr
+
+
+def _sources_digest() -> str:
+    """What `sha256sum` of each C++/CUDA source and setup.py, in byte order
+    of their paths, then `sha256sum` of those lines, gives (16 hex digits)."""
+    import hashlib
+
+    paths = sorted([p.relative_to(ROOT).as_posix() for p in (ROOT / "pt2e_fq" / "csrc").rglob("*") if p.is_file()]
+                   + ["setup.py"], key=lambda p: p.encode())
+    lines = "".join(f"{hashlib.sha256((ROOT / p).read_bytes()).hexdigest()}  {p}\n" for p in paths)
+    return hashlib.sha256(lines.encode()).hexdigest()[:16]
+
+
+def test_the_build_takes_a_prebuilt_extension_only_for_this_torch_architecture_and_tree(tmp_path):
+    import torch
+
+    prebuilt = tmp_path / "prebuilt"
+    prebuilt.mkdir()
+    (prebuilt / "_C.abi3.so").write_bytes(b"")
+    env = {"GPU_PREBUILT": str(prebuilt), "TORCH_CUDA_ARCH_LIST": "9.0", "PYTHON": sys.executable}
+    right = {"torch": torch.__version__, "arch": "9.0", "sources": _sources_digest()}
+    for field, wrong in [(None, None), ("torch", "2.11.0+cu130" if torch.__version__ != "2.11.0+cu130" else "2.13.0"),
+                         ("arch", "8.0"), ("sources", "0" * 16)]:
+        fields = {**right, **({field: wrong} if field else {})}
+        (prebuilt / "built-for.txt").write_text("".join(f"{k} {v}\n" for k, v in fields.items()))
+        done = run_script("--run", "prebuilt_matches", env=env)
+        if field is None:
+            assert done.returncode == 0, done.stdout + done.stderr
+        else:
+            assert done.returncode == 1, field
+            assert f"  > {field} {wrong}" in done.stdout and f"  < {field} {right[field]}" in done.stdout, done.stdout
+    (prebuilt / "built-for.txt").unlink()
+    done = run_script("--run", "prebuilt_matches", env=env)
+    assert done.returncode == 1 and done.stdout == f"no {prebuilt}\n"
