@@ -224,3 +224,23 @@ def test_qdq_ops_the_report_cannot_read_are_named(tmp_path):
     lines = out.getvalue().strip().splitlines()
     assert lines[-2].startswith("warning: 4 quantize / dequantize op(s) not read as points: ")
     assert lines[-1] == "no point read (weights: 0 bytes in float); the quantize / dequantize ops above are not read"
+
+
+def test_the_graph_module_of_a_qdq_program_reports_the_same_points(tmp_path):
+    """report(to_qdq(...).module(), x): the q/dq ops read from the
+    GraphModule, as from the program, against the hand-known layout."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 64)
+    model = pipeline.quantize(ReluMLP().eval(), (x,), "w8a8", calibration=[torch.randn(8, 64)], progress=False,
+                              algorithms=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = to_qdq(model, (x,))
+    from_module = _by_role(q.report(program.module(), (x,), file=None))
+    from_program = _by_role(q.report(program, (x,), file=None))
+    assert set(from_module) == {"weight of linear", "weight of linear_1", "input of linear",
+                                "output of relu, input of linear_1"}
+    for role, row in from_module.items():
+        assert (row["format"], row["granularity"]) == (from_program[role]["format"], from_program[role]["granularity"])
+        assert row["scale"] == from_program[role]["scale"]
+    assert from_module["weight of linear"]["granularity"] == "PerChannel(axis=0)"
