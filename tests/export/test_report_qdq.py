@@ -35,6 +35,20 @@ def _reports(model, x, tmp_path, target="generic", unsupported="error"):
     return q.report(fake_quant, file=None), q.report(_saved(lowered, tmp_path / "qdq.pt2"), file=None)
 
 
+def _relu_mlp(preset: str):
+    """ReluMLP (fc1 64x64, relu, fc2 8x64) quantized with `preset`, and its example batch."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 64)
+    return pipeline.quantize(ReluMLP().eval(), (x,), preset, calibration=[torch.randn(8, 64)], progress=False,
+                             algorithms=False), x
+
+
+def _lowered(model, x) -> torch.export.ExportedProgram:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the lowering warns with the list of points it keeps
+        return to_qdq(model, (x,))
+
+
 def _by_role(result) -> dict:
     return {r["role"]: r for r in result.rows}
 
@@ -119,13 +133,8 @@ def test_each_qdq_point_is_a_row_with_its_config_and_the_fake_quant_reports_qpar
 
 
 def test_a_hand_counted_w8a8_program_and_its_printed_table(tmp_path):
-    torch.manual_seed(0)
-    x = torch.randn(8, 64)
-    model = pipeline.quantize(ReluMLP().eval(), (x,), "w8a8", calibration=[torch.randn(8, 64)], progress=False,
-                              algorithms=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        program = _saved(to_qdq(model, (x,)), tmp_path / "qdq.pt2")
+    model, x = _relu_mlp("w8a8")
+    program = _saved(_lowered(model, x), tmp_path / "qdq.pt2")
     out = io.StringIO()
     result = q.report(program, file=out)
     rows = _by_role(result)
@@ -149,10 +158,7 @@ def test_a_hand_counted_w8a8_program_and_its_printed_table(tmp_path):
 def test_dynamic_per_token_chains_are_rows(preset, weight_format, weight_granularity, tmp_path):
     """choose_qparams_affine -> quantize_affine -> dequantize_affine: the
     per-token qparams of the live tensor, asymmetric as chosen."""
-    torch.manual_seed(0)
-    x = torch.randn(8, 64)
-    model = pipeline.quantize(ReluMLP().eval(), (x,), preset, calibration=[torch.randn(8, 64)], progress=False,
-                              algorithms=False)
+    model, x = _relu_mlp(preset)
     fake_quant, lowered = _reports(model, x, tmp_path, target="xnnpack")
     rows, expected = _by_role(lowered), _by_role(fake_quant)
     assert set(rows) == set(expected)
@@ -187,10 +193,7 @@ def test_a_weight_the_lowering_stores_as_float_is_named_and_counted_float(tmp_pa
     """XNNPACK quantizes a linear only when its output is quantized: w8a8
     leaves fc2's output float, so to_qdq stores fc2's weight as its
     fake-quantized floats, which the float-weights warning names."""
-    torch.manual_seed(0)
-    x = torch.randn(8, 64)
-    model = pipeline.quantize(ReluMLP().eval(), (x,), "w8a8", calibration=[torch.randn(8, 64)], progress=False,
-                              algorithms=False)
+    model, x = _relu_mlp("w8a8")
     fake_quant, lowered = _reports(model, x, tmp_path, target="xnnpack", unsupported="float")
     assert sorted(r["role"] for r in lowered.rows if r["role"].startswith("weight")) == ["weight of linear"]
     assert [(op["module"], [shape for _, shape in op["weights"]]) for op in lowered.float_weight_ops] == \
@@ -229,13 +232,8 @@ def test_qdq_ops_the_report_cannot_read_are_named(tmp_path):
 def test_the_graph_module_of_a_qdq_program_reports_the_same_points(tmp_path):
     """report(to_qdq(...).module(), x): the q/dq ops read from the
     GraphModule, as from the program, against the hand-known layout."""
-    torch.manual_seed(0)
-    x = torch.randn(8, 64)
-    model = pipeline.quantize(ReluMLP().eval(), (x,), "w8a8", calibration=[torch.randn(8, 64)], progress=False,
-                              algorithms=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        program = to_qdq(model, (x,))
+    model, x = _relu_mlp("w8a8")
+    program = _lowered(model, x)
     from_module = _by_role(q.report(program.module(), (x,), file=None))
     from_program = _by_role(q.report(program, (x,), file=None))
     assert set(from_module) == {"weight of linear", "weight of linear_1", "input of linear",
