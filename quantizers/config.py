@@ -12,6 +12,9 @@ covers only that op type in that module (and the modules inside it): the
 module's other ops resolve as if the entry were not there, so a residual
 add in a block whose linear gets its own config keeps the policy of the
 entries above it (quantizers.mixed_precision writes its choices that way).
+The path "" names the model itself, the outermost module of every op: an
+entry for it covers the model's own ops and every op that no entry
+naming an inner module takes.
 
 It round-trips through dicts, YAML and JSON files:
 

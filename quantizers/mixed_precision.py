@@ -27,6 +27,14 @@ result never exceeds the budget). The config it returns is the first
 candidate preset with, per layer, a module name and op type entry for each
 of the layer's op types with a weight (its other ops, a residual add in
 its forward, keep the preset's policy, as when sensitivity measured them).
+The model's own forward is the layer at path "". An entry reaches the ops
+of its type in the modules inside its module too (the entry for "" those
+of every module), so a module whose ops of that type it would change, an
+attention's matmuls of two activations, gets an entry of its own with the
+first candidate's settings: every weight gets the format chosen for its
+layer, and every op outside the layers the preset's settings. Only an op
+of the same type in a layer's own forward, a matmul of activations beside
+one with a weight, shares the layer's entry.
 
 Average weight bits count every weight a computing op reads (embedding
 tables are lookups and are not counted; their presets keep them float or
@@ -42,6 +50,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence, Union
 
@@ -184,6 +193,9 @@ class Sensitivity:
     points: list
     layers: dict
     evaluated: int  # evaluation samples
+    # (module path, op type, module stack) of every op a config resolves: mixed_precision keeps those outside
+    # the layers at the first candidate's settings.
+    ops: list = field(default_factory=list)
 
     def table(self, top: Optional[int] = None) -> str:
         """One row per point (module, role), its output SQNR in dB alone
@@ -227,21 +239,25 @@ def _layers(gm: GraphModule) -> dict[str, Layer]:
     return layers
 
 
-# Op types whose every matched op reads a weight: outside the model's own
-# forward each such op lies in a layer with a module name and op type entry, so an
-# operator_type entry reaches only the ones the model itself calls.
-_WEIGHTED_OP_TYPES = frozenset(COMPUTING_OP_TYPES) - {"matmul", "bmm", "mm"}
+def _ops(gm: GraphModule) -> list[tuple[str, str, tuple]]:
+    """(module path, op type, module stack) of the ops of the graph that a
+    config resolves, once each."""
+    return list(dict.fromkeys((module_path(n), op_type(n), tuple(module_stack(n))) for n in gm.graph.nodes
+                              if op_type(n) is not None))
 
 
-def _options(layer: Layer, candidates: tuple, options: tuple) -> tuple:
-    """What the returned config can give a layer. A module gets a module-name
-    entry; the model itself (path "") has none (an entry for "" would reach
-    every op without an inner entry), only operator_type entries, which for
-    a matmul would reach the matmuls of activations elsewhere too: the model's
-    own matmuls with weights keep the first candidate's settings."""
-    if layer.name == "" and not layer.op_types <= _WEIGHTED_OP_TYPES:
-        return (candidates[0],)
-    return options
+def _options(layer: Layer, ops: list, candidates: tuple, options: tuple) -> tuple:
+    """What the returned config can give a layer: any option through its
+    module name and op type entries, unless one of its ops has no module
+    stack (a graph not from torch.export), which no module entry reaches:
+    those keep the first candidate's settings, which the config starts from."""
+    stackless = sorted({t for path, t, stack in ops if path == layer.name and t in layer.op_types and not stack})
+    if not stackless:
+        return options
+    warnings.warn(f"mixed_precision: the {', '.join(stackless)} ops of {layer.name or 'the model itself'!r} have "
+                  f"no module stack (nn_module_stack) for a config entry to reach: they keep {candidates[0]}",
+                  stacklevel=3)
+    return (candidates[0],)
 
 
 def _config_of(candidate: Union[str, QuantizerConfig]) -> QuantizerConfig:
@@ -310,7 +326,7 @@ def sensitivity(gm: GraphModule, calibration: Iterable, evaluation: Sequence,
             layer.bits.setdefault(option, float(FLOAT_BITS * layer.elements))
             layer.noise.setdefault(option, 0.0)
     layers = {n: layer for n, layer in layers.items() if layer.elements}
-    return Sensitivity(candidates, points, layers, sum(len(r) for r in reference))
+    return Sensitivity(candidates, points, layers, sum(len(r) for r in reference), _ops(gm))
 
 
 def _users_past_points(gm: GraphModule, node) -> list:
@@ -373,6 +389,21 @@ def _knapsack(layers: list, options: dict, unit: float, capacity: int) -> dict:
     return {layer.name: choices[layer.name] for layer in layers}
 
 
+def _keep_the_rest(config: QuantizerConfig, base: QuantizerConfig, ops: list) -> None:
+    """Gives every op outside the layers' own entries the base config's
+    settings, as sensitivity measured it. A layer's entry reaches the ops of
+    its type in the modules inside it, and the model's own (path "") those
+    in every module: a module whose ops it would change gets an entry of
+    its own with the base's settings, outermost first, so that an inner
+    one is written only where its settings differ from its parent's."""
+    owned = {(path, t) for path, by_type in config.module_name_operator_type.items() for t in by_type}
+    for path, t, stack in sorted(ops, key=lambda op: len(op[2])):
+        if stack and (path, t) not in owned:
+            kept = base.resolve(t, stack).config
+            if config.resolve(t, stack).config != kept:
+                config.set_module_name_operator_type(path, t, kept)
+
+
 def mixed_precision(measured: Sensitivity, budget_bits: float, *, allow_float: bool = True) -> MixedPrecision:
     """The per-layer formats with the least summed noise whose average
     weight bits (module doc) is at most `budget_bits`.
@@ -384,7 +415,7 @@ def mixed_precision(measured: Sensitivity, budget_bits: float, *, allow_float: b
 
     Returns:
         A MixedPrecision: the QuantizerConfig (the first candidate preset with module name and op type entries
-            per layer).
+            per layer, the model itself at path "", and per module whose ops those would change; module doc).
 
     Raises:
         ValueError: a budget below what the smallest formats take.
@@ -393,14 +424,14 @@ def mixed_precision(measured: Sensitivity, budget_bits: float, *, allow_float: b
         raise ValueError(f"mixed_precision: budget_bits must be a number > 0, got {budget_bits!r}")
     candidates = tuple(measured.candidates)
     layers = list(measured.layers.values())
-    options = {layer.name: _options(layer, candidates, candidates + ((FLOAT,) if allow_float else ()))
-               for layer in layers}
+    options = {}
+    for layer in layers:  # a loop, not a comprehension: _options warns at the caller's line (stacklevel)
+        options[layer.name] = _options(layer, measured.ops, candidates, candidates + ((FLOAT,) if allow_float else ()))
     elements = sum(layer.elements for layer in layers)
     smallest = sum(min(layer.bits[c] for c in options[layer.name]) for layer in layers) / elements
     if budget_bits < smallest:
         raise ValueError(f"mixed_precision: budget_bits {budget_bits} is below {smallest:.4f}, the average of the "
-                         f"smallest of {', '.join(candidates + ((FLOAT,) if allow_float else ()))} in every layer "
-                         "(the model's own matmuls with weights at the first candidate's)")
+                         f"smallest of {', '.join(candidates + ((FLOAT,) if allow_float else ()))} in every layer")
     allowed = budget_bits * elements
     unit = allowed / _BUDGET_UNITS
     capacity = _BUDGET_UNITS
@@ -411,20 +442,17 @@ def mixed_precision(measured: Sensitivity, budget_bits: float, *, allow_float: b
             break
         # Sizes are rounded down: a choice may overrun by less than a unit per layer. Tighten and solve again.
         capacity -= math.ceil((used - allowed) / unit)
-    base = measured.candidates[0]
-    config = QuantizerConfig.from_dict(_config_of(base).to_dict())
+    base = _config_of(measured.candidates[0])
+    config = QuantizerConfig.from_dict(base.to_dict())
     configs = {c: _config_of(c) for c in measured.candidates}
     for layer in layers:
         c = choices[layer.name]
-        if layer.name == "":
-            for t in sorted(layer.op_types):
-                config.set_operator_type(t, None if c == FLOAT else configs[c].resolve(t, layer.stack).config)
-            continue
         # Only the layer's weighted op types: its other ops (a residual add in the block) keep the base
-        # config's policy, as when the sensitivity was measured.
+        # config's policy, as when the sensitivity was measured. The model itself is the module at path "".
         for t in sorted(layer.op_types):
             config.set_module_name_operator_type(
                 layer.name, t, None if c == FLOAT else configs[c].resolve(t, layer.stack).config)
+    _keep_the_rest(config, base, measured.ops)
     noise = sum(layer.noise[choices[layer.name]] for layer in layers)
     average = sum(layer.bits[choices[layer.name]] for layer in layers) / elements
     return MixedPrecision(config, choices, average, _db(noise), measured.layers)

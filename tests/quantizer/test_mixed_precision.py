@@ -257,8 +257,141 @@ def test_weights_read_by_the_model_itself_count_in_the_budget(budget, matmul):
     actual = mp.average_weight_bits(prepared)
     assert actual <= budget
     assert chosen.average_bits == pytest.approx(actual, rel=1e-12)
-    if matmul:  # the model's own matmul keeps the first candidate's int4 groups: 4.5 bits per weight
-        assert chosen.choices[""] == "w4a8"
+    _assert_the_weights_formats_are_the_choices(
+        prepared, chosen, {"root_w": "", "fc.weight": "fc", **({"root_m": ""} if matmul else {})})
+
+
+def _attr(module, path: str):
+    for name in path.split("."):
+        module = getattr(module, name)
+    return module
+
+
+def _weight_points(prepared) -> dict:
+    """{weight name: the FakeQuantize its value reaches through views, or None (float)} of the weights the
+    graph reads, read off the graph."""
+    views = {torch.ops.aten.t.default, torch.ops.aten.permute.default, torch.ops.aten.transpose.int}
+    found = {}
+    for node in prepared.graph.nodes:
+        if node.op != "get_attr" or not node.users or _attr(prepared, node.target).dim() < 2:  # biases are 1-D
+            continue
+        found[node.target], frontier = None, [node]
+        while frontier:
+            n = frontier.pop()
+            for user in n.users:
+                if user.op == "call_module" and isinstance(prepared.get_submodule(user.target), q.FakeQuantize):
+                    found[node.target] = prepared.get_submodule(user.target)
+                elif user.op == "call_function" and user.target in views:
+                    frontier.append(user)
+    return found
+
+
+class _Gram(nn.Module):
+    """A matmul of two activations (attention's q @ k^T, then the weights times v)."""
+
+    def forward(self, h):
+        return torch.softmax(h @ h.t() / 16, -1) @ h
+
+
+class _RootMatmul(nn.Module):
+    """A weight the model itself reads (`read`: torch.matmul(x, W), x @ W.t() or F.linear(x, W)), a child
+    that multiplies activations and a child linear."""
+
+    def __init__(self, read: str):
+        super().__init__()
+        self.read = read
+        self.weight = nn.Parameter(torch.randn((64, 256) if read == "matmul" else (256, 64)) / 8)
+        self.attn, self.fc = _Gram(), nn.Linear(256, 10)
+
+    def forward(self, x):
+        if self.read == "matmul":
+            h = torch.matmul(x, self.weight)
+        elif self.read == "matmul_t":
+            h = x @ self.weight.t()
+        else:
+            h = nn.functional.linear(x, self.weight)
+        return self.fc(self.attn(torch.relu(h)))
+
+
+def _activation_matmul_points(prepared) -> list:
+    """(dtype, quant_min, quant_max) of the points read by the matmuls inside `attn`, in graph order."""
+    found = []
+    for node in prepared.graph.nodes:
+        paths = [path for path, _ in node.meta.get("nn_module_stack", {}).values()]
+        if node.op == "call_function" and node.target == torch.ops.aten.matmul.default and paths[-1:] == ["attn"]:
+            for arg in node.args:
+                if arg.op == "call_module" and isinstance(prepared.get_submodule(arg.target), q.FakeQuantize):
+                    m = prepared.get_submodule(arg.target)
+                    found.append((m.dtype, m.quant_min, m.quant_max))
+                else:
+                    found.append(None)
+    return found
+
+
+@pytest.mark.parametrize("read", ["matmul", "matmul_t", "linear"])
+@pytest.mark.parametrize("candidates", [("w8a8", "w4a8"), ("w4a8", "w8a8")], ids=["w8a8_first", "w4a8_first"])
+@pytest.mark.parametrize("budget, allow_float", [(4.6, False), (40.0, True)], ids=["int4", "float"])
+def test_a_weight_the_model_itself_reads_gets_the_chosen_format(read, candidates, budget, allow_float, tmp_path):
+    """At 4.6 bits without float only int4 everywhere fits; at 40 bits float everywhere is the least noise
+    (so the model's own weight gets the second candidate's format, or float). The prepared model has each
+    weight's point as chosen, the chosen bits, and its activation matmuls as in the first candidate's
+    preset (as sensitivity measured them)."""
+    torch.manual_seed(0)
+    model = _RootMatmul(read).eval()
+    data = [torch.randn(16, 64) for _ in range(4)]
+    export = lambda: torch.export.export(model, (data[0],)).module()  # noqa: E731
+    measured = mp.sensitivity(export(), data[:2], data[2:], candidates, progress=False)
+    assert set(measured.layers) == {"", "fc"}
+    chosen = mp.mixed_precision(measured, budget_bits=budget, allow_float=allow_float)
+    assert set(chosen.choices.values()) == {"w4a8" if budget < 8 else "float"}
+    for suffix in ("yaml", "json"):
+        path = tmp_path / f"mixed.{suffix}"
+        chosen.config.save(path)
+        loaded = QuantizerConfig.load(path)
+        assert loaded == chosen.config
+        prepared = prepare_pt2e(export(), FakeQuantQuantizer(loaded))
+        _assert_the_weights_formats_are_the_choices(prepared, chosen, {"weight": "", "fc.weight": "fc"})
+        assert mp.average_weight_bits(prepared) == pytest.approx(chosen.average_bits, rel=1e-12)
+        preset = prepare_pt2e(export(), FakeQuantQuantizer(presets.get_preset(candidates[0])))
+        assert _activation_matmul_points(prepared) == _activation_matmul_points(preset) != [None] * 4
+
+
+def test_a_weighted_op_without_a_module_stack_keeps_the_first_candidate_and_says_so():
+    """A graph whose own matmul carries no nn_module_stack (not from torch.export): no config entry can
+    reach that op by module, so the choice for it is the first candidate's, with a warning naming it."""
+    torch.manual_seed(0)
+    model = _RootMatmul("matmul").eval()
+    data = [torch.randn(16, 64) for _ in range(4)]
+
+    def export():
+        gm = torch.export.export(model, (data[0],)).module()
+        for node in gm.graph.nodes:
+            if node.target == torch.ops.aten.matmul.default and node.args[1].op == "get_attr":
+                del node.meta["nn_module_stack"]
+        return gm
+
+    measured = mp.sensitivity(export(), data[:2], data[2:], ("w8a8", "w4a8"), progress=False)
+    with pytest.warns(UserWarning, match=r"the matmul ops of 'the model itself' have no module stack"):
+        chosen = mp.mixed_precision(measured, budget_bits=40.0)
+    assert chosen.choices == {"": "w8a8", "fc": "float"}
+    prepared = prepare_pt2e(export(), FakeQuantQuantizer(chosen.config))
+    _assert_the_weights_formats_are_the_choices(prepared, chosen, {"weight": "", "fc.weight": "fc"})
+    assert mp.average_weight_bits(prepared) == pytest.approx(chosen.average_bits, rel=1e-12)
+
+
+# What each candidate's weight point is, by hand: int4 in the full signed range, int8 in the narrow one.
+_WEIGHT_POINT = {"w4a8": (torch.int4, -8, 7), "w8a8": (torch.int8, -127, 127)}
+
+
+def _assert_the_weights_formats_are_the_choices(prepared, chosen, layer_of: dict):
+    """Each weight's point is that of the candidate chosen for its layer (`layer_of`: weight -> layer), and
+    a weight of a layer chosen float has none."""
+    points = _weight_points(prepared)
+    assert set(points) == set(layer_of)
+    for weight, layer in layer_of.items():
+        point, choice = points[weight], chosen.choices[layer]
+        got = None if point is None else (point.dtype, point.quant_min, point.quant_max)
+        assert got == _WEIGHT_POINT.get(choice), (weight, choice)
 
 
 class _ResidualBlock(nn.Module):

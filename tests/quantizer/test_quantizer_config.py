@@ -318,6 +318,29 @@ def test_module_name_and_op_type_entries_round_trip_through_files(tmp_path, suff
     assert loaded == config
 
 
+@pytest.mark.parametrize(
+    "op_type, stack, expected, rule",
+    [
+        # the model's own op (quantizers.mixed_precision writes its choice for a weight read there so)
+        ("linear", [("", "m.Net")], BY_REGEX, "module name '', op type 'linear'"),
+        # an op in a module no module entry names, module type entries included
+        ("linear", [("", "m.Net"), ("fc", LINEAR)], BY_REGEX, "module name '', op type 'linear'"),
+        # an entry naming an inner module wins
+        ("linear", [("", "m.Net"), ("blocks.0", "m.Block"), ("blocks.0.fc", LINEAR)], BY_NAME,
+         "module name 'blocks.0.fc'"),
+    ],
+)
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_an_entry_for_the_model_itself_covers_every_op_no_inner_module_entry_takes(op_type, stack, expected, rule,
+                                                                                    suffix, tmp_path):
+    config = _config().set_module_name_operator_type("", "linear", BY_REGEX)
+    config.save(tmp_path / f"c{suffix}")
+    loaded = QuantizerConfig.load(tmp_path / f"c{suffix}")
+    assert loaded == config
+    resolution = loaded.resolve(op_type, stack)
+    assert (resolution.config, resolution.rule) == (expected, rule)
+
+
 def test_a_hand_written_module_name_and_op_type_section_reads_as_the_fluent_config(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("module_name_operator_type:\n  blocks.0:\n    linear: null\n    add:\n"
