@@ -175,18 +175,10 @@ def _check_target(path, member: str, target: str) -> None:
     resolved = _TARGET_ROOTS.get(root)
     for name in names if resolved is not None else ():
         resolved = getattr(resolved, name, None)
-    if isinstance(resolved, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)) or (
-            root in _TARGET_ROOTS and _hashable(resolved) and resolved in _SYM_OPS):
+    if isinstance(resolved, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)) or any(
+            resolved is op for op in _SYM_OPS):  # identity: whatever getattr found may not be hashable
         return
     raise UnsafeArchiveError(path, member, f"calls {target!r}, not an operator")
-
-
-def _hashable(value) -> bool:
-    try:
-        hash(value)
-    except TypeError:
-        return False
-    return True
 
 
 def _items(value) -> Iterator[tuple[str, Any]]:
